@@ -1,0 +1,170 @@
+"""The `tafl` command: one verb per job, each a thin call into a component.
+
+Every `RunConfig` field is also a flag (`--local-epochs 2`), so a YAML config and the command
+line share one vocabulary; flags override the file. Errors a user can cause print one line
+(`tafl: error: ...`) and exit 2; Ctrl-C exits 130 and says how to resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from tafl.errors import TaflError
+
+log = logging.getLogger("tafl.cli")
+
+DEMO_CONFIG: dict[str, Any] = {
+    # the embedded default: scikit-learn digits, a long tail of IF 10, 10 clients; about 15 s on 2 cores
+    "method": "fedavg", "dataset": "digits", "img_size": 16, "imbalance_factor": 10.0, "clients": 10,
+    "frac": 0.5, "alpha": 0.5, "rounds": 30, "local_epochs": 5, "batch_size": 16, "lr": 0.05, "momentum": 0.9,
+    "backbone": "resnet8", "width": 0.25, "seed": 7, "threads": 2,
+}
+
+
+def _none_or(typ):
+    def parse(text: str):
+        if text.lower() in ("none", "null", "natural"):
+            return None
+        return typ(text)
+    parse.__name__ = typ.__name__
+    return parse
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field; every default is None so only given flags override the file."""
+    from tafl.training.config import RunConfig
+
+    hints = typing.get_type_hints(RunConfig)
+    group = p.add_argument_group("run configuration (each overrides the --config file)")
+    for f in dataclasses.fields(RunConfig):
+        hint = hints[f.name]
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        base = next(a for a in args if a is not type(None))
+        flag = "--" + f.name.replace("_", "-")
+        if base is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parse = _none_or(base) if type(None) in args else base
+            group.add_argument(flag, dest=f.name, type=parse, default=None, metavar=base.__name__.upper())
+
+
+def config_overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    from tafl.training.config import RunConfig
+
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(RunConfig) if getattr(ns, f.name, None) is not None}
+
+
+# ------------------------------------------------------------------ verbs
+def cmd_train(ns: argparse.Namespace) -> int:
+    from tafl.training.config import load_config
+    from tafl.training.simulator import train
+
+    cfg = load_config(ns.config, config_overrides(ns))
+    report = train(cfg, ns.out, resume=ns.resume, force=ns.force, progress=None if not ns.no_progress else False)
+    _print_summary(report, Path(ns.out))
+    return 0
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from tafl.training.checkpoint import load_checkpoint
+    from tafl.training.config import RunConfig
+    from tafl.training.data import load_dataset
+    from tafl.training.report import write_report
+    from tafl.training.simulator import evaluate_checkpoint
+
+    ck = load_checkpoint(ns.checkpoint)
+    cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
+    if ns.data_root:
+        cfg.data_root = ns.data_root
+    if ns.labels:
+        cfg.labels = ns.labels
+    cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
+    ds = load_dataset(cfg.validate())
+    report = evaluate_checkpoint(ck, ds)
+    out = Path(ns.out) if ns.out else Path(ns.checkpoint).parent / "eval"
+    write_report(out, report)
+    _print_summary(report, out)
+    return 0
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from tafl.training.config import RunConfig
+    from tafl.training.simulator import train
+
+    out = Path(ns.out)
+    cfg = RunConfig.from_dict(DEMO_CONFIG, "demo config").validate()
+    force = (out / "run.json").is_file()  # the demo replaces its own earlier run, nothing else
+    print(f"tafl demo: training {cfg.method} on the embedded digits data ({cfg.clients} clients, "
+          f"{cfg.rounds} rounds, long tail IF {cfg.imbalance_factor:g}) into {out}", flush=True)
+    report = train(cfg, out, force=force, progress=None if not ns.no_progress else False)
+    _print_summary(report, out)
+    return 0
+
+
+def _print_summary(report: dict[str, Any], out: Path) -> None:
+    from tafl.training.longtail import DISTRIBUTION_NAMES
+    from tafl.training.report import SHORT, pct
+
+    d = report["test_distributions"]
+    print(f"\n{report['method']} on {report['dataset']}: mean prior-weighted accuracy "
+          f"{pct(report['average_accuracy'])} % over the eleven test distributions")
+    print("  " + "  ".join(f"{SHORT[n]} {pct(d[n]['accuracy'])}" for n in DISTRIBUTION_NAMES))
+    print(f"  report: {out / 'report.md'}  model: {out / 'final.pt'}")
+
+
+# ------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tafl", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    t = sub.add_parser("train", help="federated training in the in-process simulator")
+    t.add_argument("--config", help="YAML run configuration (configs/*.yaml)")
+    t.add_argument("--out", required=True, help="run folder: checkpoints, final.pt, report.{json,md}, accuracy.png")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.add_argument("--force", action="store_true", help="replace an earlier run in --out")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_flags(t)
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint on the eleven test distributions")
+    e.add_argument("checkpoint")
+    e.add_argument("--out", help="report folder (default: CHECKPOINT_DIR/eval)")
+    e.add_argument("--data-root", help="where the dataset lies now, if it moved")
+    e.add_argument("--labels", help="labels CSV for a folder dataset, if it moved")
+    e.set_defaults(func=cmd_eval)
+
+    d = sub.add_parser("demo", help="train and evaluate on the embedded digits data")
+    d.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    level = logging.DEBUG if ns.verbose else logging.WARNING if ns.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("tafl").setLevel(level)
+    try:
+        return int(ns.func(ns) or 0)
+    except TaflError as exc:
+        print(f"tafl: error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tafl: interrupted; a training run continues with `tafl train --out DIR --resume`", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+

@@ -1,0 +1,1 @@
+"""Clients: the REST client and batch scoring (later issues)."""

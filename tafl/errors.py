@@ -1,0 +1,85 @@
+"""The one exception tree of tafl.
+
+Every error a user can cause is a `TaflError` with a message a person can act on; the CLI prints
+it as one line and exits non-zero, the service turns it into a JSON body with its HTTP status.
+Third-party errors are wrapped at the boundary (``raise DataError(...) from exc``).
+
+    TaflError                    (status 500 when it reaches the service unhandled)
+    ├── ConfigError              a bad run configuration, flag or config key         400
+    ├── DataError                a dataset that is missing, unreadable or unusable    400
+    ├── CheckpointError          a checkpoint that is missing, corrupt or foreign     400
+    ├── PackageError             a model package that is incomplete or tampered       400
+    ├── RunDirError              an output folder that holds another run              400
+    └── ServiceError             errors the service answers with their own status
+        ├── BadRequest           400
+        ├── Unauthorized         401
+        ├── NotFound             404
+        ├── PayloadTooLarge      413
+        ├── UnsupportedMedia     415
+        ├── UnprocessableImage   422
+        └── ServiceUnavailable   503
+"""
+
+from __future__ import annotations
+
+
+class TaflError(Exception):
+    """Base class: an error whose message is meant for a person."""
+
+    status: int = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(TaflError):
+    status = 400
+
+
+class DataError(TaflError):
+    status = 400
+
+
+class CheckpointError(TaflError):
+    status = 400
+
+
+class PackageError(TaflError):
+    status = 400
+
+
+class RunDirError(TaflError):
+    status = 400
+
+
+class ServiceError(TaflError):
+    status = 500
+
+
+class BadRequest(ServiceError):
+    status = 400
+
+
+class Unauthorized(ServiceError):
+    status = 401
+
+
+class NotFound(ServiceError):
+    status = 404
+
+
+class PayloadTooLarge(ServiceError):
+    status = 413
+
+
+class UnsupportedMedia(ServiceError):
+    status = 415
+
+
+class UnprocessableImage(ServiceError):
+    status = 422
+
+
+class ServiceUnavailable(ServiceError):
+    status = 503

@@ -1,0 +1,105 @@
+"""The one preprocessing callable shared by training, export and serving.
+
+An image (a PIL image or a uint8 array, grey or colour, any size) becomes a uint8 array of the
+model's side and channel count (`to_uint8`), and a uint8 batch becomes the normalised float
+batch the network takes (`normalize`). Training stores its data after `to_uint8` and normalises
+each batch with the same formula; the model package records the spec in `metadata.json` and the
+service calls this code, so no component re-implements it. NumPy and Pillow only: serving must
+run without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+_RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
+             "nearest": Image.Resampling.NEAREST}
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    size: int  # square side the network takes, pixels
+    channels: int  # 1 (grey) or 3 (RGB)
+    mean: tuple[float, ...]  # per channel, on the [0, 1] scale
+    std: tuple[float, ...]  # per channel, on the [0, 1] scale
+    resample: str = "bilinear"  # Pillow filter; antialiased when shrinking
+    resize: str = "squash"  # the whole image is resized to size x size (aspect ratio not kept)
+
+    def __post_init__(self) -> None:
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {self.channels!r}")
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise ValueError(f"mean {self.mean} and std {self.std} must have {self.channels} entries")
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"std must be positive, got {self.std}")
+        if self.resample not in _RESAMPLE:
+            raise ValueError(f"resample must be one of {sorted(_RESAMPLE)}, got {self.resample!r}")
+
+    # -- image -> uint8 (size, size, channels) --
+    def to_uint8(self, image: Image.Image | np.ndarray) -> np.ndarray:
+        pil = image if isinstance(image, Image.Image) else _array_to_pil(image)
+        mode = "L" if self.channels == 1 else "RGB"
+        if pil.mode != mode:
+            if pil.mode in ("RGBA", "LA", "P", "PA"):
+                pil = pil.convert("RGBA").convert(mode)  # composite palette/alpha before dropping it
+            elif pil.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+                pil = Image.fromarray(_stretch_to_uint8(np.asarray(pil))).convert(mode)
+            else:
+                pil = pil.convert(mode)
+        if pil.size != (self.size, self.size):
+            pil = pil.resize((self.size, self.size), _RESAMPLE[self.resample])
+        arr = np.asarray(pil, dtype=np.uint8)
+        return arr[:, :, None] if arr.ndim == 2 else arr  # (H, W, C)
+
+    # -- uint8 batch (N, H, W, C) -> float32 (N, C, H, W) --
+    def normalize(self, batch: np.ndarray) -> np.ndarray:
+        if batch.ndim == 3:
+            batch = batch[None]
+        x = batch.astype(np.float32).transpose(0, 3, 1, 2) / np.float32(255.0)
+        mean = np.asarray(self.mean, np.float32).reshape(1, -1, 1, 1)
+        std = np.asarray(self.std, np.float32).reshape(1, -1, 1, 1)
+        return (x - mean) / std
+
+    def __call__(self, images: list[Image.Image | np.ndarray] | Image.Image | np.ndarray) -> np.ndarray:
+        if not isinstance(images, list):
+            images = [images]
+        return self.normalize(np.stack([self.to_uint8(im) for im in images]))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["mean"], d["std"] = list(self.mean), list(self.std)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Preprocess:
+        return cls(size=int(d["size"]), channels=int(d["channels"]), mean=tuple(float(v) for v in d["mean"]),
+                   std=tuple(float(v) for v in d["std"]), resample=d.get("resample", "bilinear"),
+                   resize=d.get("resize", "squash"))
+
+
+def _stretch_to_uint8(a: np.ndarray) -> np.ndarray:
+    """Min-max stretch of a non-uint8 image to 0..255 (constant images become 0)."""
+    a = a.astype(np.float64)
+    lo, hi = float(np.nanmin(a)), float(np.nanmax(a))
+    if not np.isfinite(lo) or not np.isfinite(hi) or hi <= lo:
+        return np.zeros(a.shape, np.uint8)
+    return np.clip(np.round((a - lo) * (255.0 / (hi - lo))), 0, 255).astype(np.uint8)
+
+
+def _array_to_pil(a: np.ndarray) -> Image.Image:
+    a = np.asarray(a)
+    if a.dtype != np.uint8:
+        a = _stretch_to_uint8(a)
+    if a.ndim == 3 and a.shape[2] == 1:
+        a = a[:, :, 0]
+    if a.ndim == 2:
+        return Image.fromarray(a, "L")
+    if a.ndim == 3 and a.shape[2] == 3:
+        return Image.fromarray(a, "RGB")
+    if a.ndim == 3 and a.shape[2] == 4:
+        return Image.fromarray(a, "RGBA")
+    raise ValueError(f"expected an image array of shape (H, W), (H, W, 1), (H, W, 3) or (H, W, 4), got {a.shape}")

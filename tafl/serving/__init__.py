@@ -1,0 +1,1 @@
+"""Serving: the BentoML service over model packages (later issues)."""

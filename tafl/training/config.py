@@ -1,0 +1,185 @@
+"""Run configuration: one typed dataclass, every field commented, loaded from YAML and flags.
+
+`configs/*.yaml` hold named configurations; command-line flags override the file; unknown keys
+and values of the wrong type or range are `ConfigError`s naming the key. The resolved config is
+saved in every checkpoint and report, so a run can be repeated and resumed from it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tafl.errors import ConfigError
+
+METHODS = ("fedavg", "fedprox", "creff", "gtafl", "dafl")
+PARTITIONS = ("equal", "dirichlet")
+
+
+@dataclass
+class RunConfig:
+    # --- what to train ---
+    method: str = "fedavg"  # fedavg | fedprox | creff | gtafl | dafl
+    # --- data ---
+    dataset: str = "digits"  # digits (embedded) | a MedMNIST flag (dermamnist, ...) | folder
+    data_root: str | None = None  # MedMNIST: folder holding <flag>.npz; folder: the image folder's root
+    labels: str | None = None  # folder: the labels CSV (relative to data_root or absolute)
+    image_column: str = "image_id"  # folder: CSV column naming the image file (extension optional)
+    label_column: str = "label"  # folder: CSV column holding the class name
+    group_column: str | None = None  # folder: CSV column whose groups never straddle two splits (lesion_id)
+    image_dir: str | None = None  # folder: where the images lie (default: data_root/images if present, else data_root)
+    download: bool = False  # MedMNIST: download the npz when it is missing (needs a network)
+    val_fraction: float = 0.15  # digits/folder: share of the data held out for validation
+    test_fraction: float = 0.2  # digits/folder: share of the data held out for testing
+    img_size: int | None = None  # square input side in pixels; None keeps the dataset's own (28 for MedMNIST)
+    channels: int | None = None  # 1 or 3; None keeps the dataset's own
+    cache_dir: str | None = None  # decoded image-folder cache (default ~/.cache/tafl); "" turns it off
+    # --- long tail and clients ---
+    imbalance_factor: float | None = 50.0  # IF of the exponential long tail; None keeps the natural distribution
+    clients: int = 20  # K, number of simulated clients
+    alpha: float = 0.5  # Dirichlet concentration over classes (smaller = more heterogeneous)
+    partition: str = "equal"  # equal: CReFF's equal-size Dirichlet split; dirichlet: the free split
+    frac: float = 0.4  # share of clients taking part in each round
+    # --- local training ---
+    rounds: int = 20  # communication rounds
+    local_epochs: int = 5  # epochs over the local data per round
+    batch_size: int = 32  # local mini-batch size
+    lr: float = 0.1  # local SGD learning rate
+    momentum: float = 0.0  # local SGD momentum
+    weight_decay: float = 0.0  # local SGD weight decay
+    mu: float = 0.01  # FedProx proximal coefficient
+    augment: bool = True  # random crop (pad 1/8 of the side) and horizontal flip during local training
+    # --- model ---
+    backbone: str = "resnet8"  # resnet8, vit_tafl_tiny, or any timm ViT name
+    width: float = 1.0  # resnet8 width multiplier: 1.0 = the paper's 64-128-256 channels
+    patch_size: int | None = None  # ViT patch side; None: the backbone's choice for img_size
+    embed_dim: int | None = None  # ViT width override
+    depth: int | None = None  # ViT depth override
+    num_heads: int | None = None  # ViT heads override
+    pretrained: str | None = None  # path to local weights, or "hub" to download (needs a network)
+    # --- run ---
+    seed: int = 7  # seeds data split, long tail, partition, client selection and training
+    eval_every: int = 1  # validate every N rounds (the last round is always validated)
+    select: str = "last"  # last: keep the last round; val: keep the round with the best validation balanced accuracy
+    test_seed: int = 0  # seed of the sampled test subsets
+    eval_batch_size: int = 256  # batch size for validation and test inference
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    device: str = "cpu"  # cpu | cuda | auto
+    keep_checkpoints: int = 2  # per-round checkpoints kept in OUT/checkpoints
+
+    # ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
+        cfg = cls()
+        cfg.update(data, source)
+        return cfg
+
+    def update(self, data: dict[str, Any], source: str = "config") -> RunConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(self)}
+        hints = typing.get_type_hints(type(self))
+        for key, value in data.items():
+            norm = str(key).replace("-", "_")
+            if norm not in names:
+                close = difflib.get_close_matches(norm, sorted(names), n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ConfigError(f"{source}: unknown config key '{key}'{hint}")
+            setattr(self, norm, _coerce(norm, value, hints[norm], source))
+        return self
+
+    def validate(self) -> RunConfig:
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"config '{key}' = {getattr(self, key)!r}: {why}")
+
+        if self.method not in METHODS:
+            raise bad("method", f"unknown method; choose one of {', '.join(METHODS)}")
+        if self.partition not in PARTITIONS:
+            raise bad("partition", f"choose one of {', '.join(PARTITIONS)}")
+        if self.imbalance_factor is not None and not self.imbalance_factor >= 1:
+            raise bad("imbalance_factor", "the imbalance factor must be >= 1 (or null for the natural distribution)")
+        if not self.alpha > 0:
+            raise bad("alpha", "the Dirichlet concentration must be > 0")
+        if self.clients < 1:
+            raise bad("clients", "need at least one client")
+        if not 0 < self.frac <= 1:
+            raise bad("frac", "the participation fraction must be in (0, 1]")
+        for key in ("rounds", "local_epochs", "batch_size", "eval_every", "eval_batch_size", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                raise bad(key, "must be >= 1")
+        for key in ("lr",):
+            if not getattr(self, key) > 0:
+                raise bad(key, "must be > 0")
+        for key in ("momentum", "weight_decay", "mu"):
+            if not getattr(self, key) >= 0:
+                raise bad(key, "must be >= 0")
+        for key in ("val_fraction", "test_fraction"):
+            if not 0 < getattr(self, key) < 0.5:
+                raise bad(key, "must be in (0, 0.5)")
+        if self.img_size is not None and not 4 <= self.img_size <= 1024:
+            raise bad("img_size", "must be between 4 and 1024 pixels")
+        if self.channels not in (None, 1, 3):
+            raise bad("channels", "must be 1 or 3")
+        if not self.width > 0:
+            raise bad("width", "must be > 0")
+        if self.select not in ("last", "val"):
+            raise bad("select", "choose last or val")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise bad("device", "choose cpu, cuda or auto")
+        if self.dataset == "folder" and (not self.data_root or not self.labels):
+            raise ConfigError("dataset 'folder' needs --data-root DIR and --labels FILE.csv")
+        return self
+
+
+def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
+    """Check `value` against the field's annotation; ints are accepted where floats are."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{source}: '{key}' must not be null")
+    for typ in allowed:
+        if typ is type(None):
+            continue
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            continue
+        if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if typ is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if typ is str and isinstance(value, str):
+            return value
+        if typing.get_origin(typ) is list and isinstance(value, (list, tuple)):
+            return list(value)
+    names = " or ".join("null" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+    raise ConfigError(f"{source}: '{key}' must be {names}, got {value!r}")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """The defaults, then the YAML file, then the overrides (flags); validated."""
+    cfg = RunConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
+        cfg.update(data, str(p))
+    if overrides:
+        cfg.update({k: v for k, v in overrides.items() if v is not None}, "command line")
+    return cfg.validate()
+

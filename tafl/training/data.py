@@ -1,0 +1,305 @@
+"""Dataset sources behind one interface: images, labels and class names in train/val/test splits.
+
+Three sources: scikit-learn's digits (the embedded default, real and shipped), MedMNIST by flag
+through the `medmnist` package (a `<flag>.npz` in `data_root`, downloaded only when asked), and
+an image folder with a labels CSV (the HAM10000 layout: an image-id column, a label column and an
+optional group column whose groups never straddle two splits). Every split is held once, as
+uint8 (N, H, W, C) already at the run's side and channel count, produced by the shared
+`Preprocess.to_uint8`; normalisation happens per batch.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from tafl.errors import DataError
+from tafl.packaging.preprocess import Preprocess
+from tafl.training.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff")
+
+
+@dataclass
+class Split:
+    images: np.ndarray  # uint8 (N, H, W, C)
+    labels: np.ndarray  # int64 (N,)
+    ids: np.ndarray  # (N,) sample identifiers in the source (index or file id), for provenance
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, idx: np.ndarray) -> Split:
+        return Split(self.images[idx], self.labels[idx], self.ids[idx])
+
+
+@dataclass
+class Dataset:
+    name: str
+    class_names: list[str]
+    train: Split
+    val: Split
+    test: Split
+    preprocess: Preprocess
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+def load_dataset(cfg: RunConfig) -> Dataset:
+    """Load the dataset the config names, resized to the run's input size."""
+    name = cfg.dataset.lower()
+    if name == "digits":
+        raw = _load_digits(cfg)
+    elif name == "folder":
+        raw = _load_folder(cfg)
+    else:
+        raw = _load_medmnist(name, cfg)
+    splits, class_names, native_channels, provenance = raw
+    size = cfg.img_size or splits["train"].images.shape[1]
+    channels = cfg.channels or native_channels
+    fit = Preprocess(size=size, channels=channels, mean=(0.0,) * channels, std=(1.0,) * channels)
+    for key, split in splits.items():
+        split.images = _fit_images(split.images, fit)
+    for key, split in splits.items():
+        if len(split) == 0:
+            raise DataError(f"dataset '{cfg.dataset}': the {key} split is empty")
+    train = splits["train"]
+    for key, split in splits.items():
+        counts = np.bincount(split.labels, minlength=len(class_names))
+        empty = [class_names[c] for c in np.flatnonzero(counts == 0)]
+        if empty:
+            raise DataError(f"dataset '{cfg.dataset}': class(es) {', '.join(empty)} have no {key} images; every class "
+                            "needs images in the train, val and test splits (add images or drop the class)")
+    x = train.images.astype(np.float64) / 255.0
+    mean = tuple(float(v) for v in x.mean(axis=(0, 1, 2)))
+    std = tuple(max(float(v), 1e-3) for v in x.std(axis=(0, 1, 2)))
+    pre = Preprocess(size=size, channels=channels, mean=mean, std=std)
+    return Dataset(cfg.dataset, class_names, splits["train"], splits["val"], splits["test"], pre, provenance)
+
+
+def _fit_images(images: np.ndarray, pre: Preprocess) -> np.ndarray:
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.shape[1:] == (pre.size, pre.size, pre.channels):
+        return np.ascontiguousarray(images)
+    out = np.empty((len(images), pre.size, pre.size, pre.channels), np.uint8)
+    for i, im in enumerate(images):
+        out[i] = pre.to_uint8(im)
+    return out
+
+
+# ---------------------------------------------------------------- digits
+def _load_digits(cfg: RunConfig):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    images = np.round(d.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)  # (1797, 8, 8)
+    labels = d.target.astype(np.int64)
+    ids = np.arange(len(labels))
+    splits = _split(images, labels, ids, None, cfg)
+    prov = {"source": "sklearn.datasets.load_digits", "n_images": int(len(labels))}
+    return splits, [str(i) for i in range(10)], 1, prov
+
+
+# ---------------------------------------------------------------- MedMNIST
+def _load_medmnist(flag: str, cfg: RunConfig):
+    import medmnist
+
+    info = medmnist.INFO.get(flag)
+    if info is None:
+        flags = sorted(k for k in medmnist.INFO if not k.endswith("3d"))
+        raise DataError(f"unknown dataset '{flag}': use digits, folder, or a MedMNIST flag ({', '.join(flags)})")
+    if flag.endswith("3d"):
+        raise DataError(f"'{flag}' is a 3D MedMNIST set; tafl trains 2D image classifiers")
+    if "multi-label" in info["task"]:
+        raise DataError(f"'{flag}' is a multi-label task ({info['task']}); tafl trains single-label classifiers")
+    root = Path(cfg.data_root).expanduser() if cfg.data_root else Path(medmnist.info.DEFAULT_ROOT)
+    npz = root / f"{flag}.npz"
+    if not npz.is_file():
+        if not cfg.download:
+            raise DataError(f"{npz} not found: put {flag}.npz in --data-root, or pass --download where a network is "
+                            "available")
+        root.mkdir(parents=True, exist_ok=True)
+    cls = getattr(medmnist, info["python_class"])
+    splits = {}
+    try:
+        for split in ("train", "val", "test"):
+            ds = cls(split=split, root=str(root), download=cfg.download and not npz.is_file())
+            labels = np.asarray(ds.labels).reshape(-1).astype(np.int64)
+            splits[split] = Split(np.asarray(ds.imgs), labels, np.arange(len(labels)))
+    except DataError:
+        raise
+    except Exception as exc:  # medmnist raises RuntimeError/URLError/zip errors; name the file either way
+        raise DataError(f"could not load MedMNIST '{flag}' from {root} ({type(exc).__name__}: {exc}); "
+                        f"check that {npz.name} is a complete MedMNIST npz or that the network is reachable") from exc
+    names = [info["label"][str(i)] for i in range(len(info["label"]))]
+    channels = int(info["n_channels"])
+    prov = {"source": f"medmnist:{flag}", "file": str(npz), "sha256": _sha256_file(npz),
+            "medmnist_version": getattr(medmnist, "__version__", "unknown")}
+    return splits, names, channels, prov
+
+
+# ---------------------------------------------------------------- image folder + CSV
+def _load_folder(cfg: RunConfig):
+    root = Path(cfg.data_root).expanduser()
+    if not root.is_dir():
+        raise DataError(f"--data-root {root} is not a folder")
+    csv_path = Path(cfg.labels)
+    if not csv_path.is_absolute():
+        csv_path = root / csv_path if (root / csv_path).is_file() else csv_path
+    if not csv_path.is_file():
+        raise DataError(f"labels CSV not found: {cfg.labels} (looked in {root} and the working folder)")
+    image_dir = Path(cfg.image_dir) if cfg.image_dir else (root / "images" if (root / "images").is_dir() else root)
+    if not image_dir.is_absolute() and cfg.image_dir:
+        image_dir = root / image_dir
+    rows = _read_csv(csv_path, cfg)
+    ids = np.array([r[0] for r in rows])
+    label_names = [r[1] for r in rows]
+    groups = np.array([r[2] for r in rows]) if cfg.group_column else None
+    class_names = sorted(set(label_names))
+    if len(class_names) < 2:
+        raise DataError(f"{csv_path}: column '{cfg.label_column}' holds {len(class_names)} class(es); need at least 2")
+    index = {n: i for i, n in enumerate(class_names)}
+    labels = np.array([index[n] for n in label_names], np.int64)
+    files = _resolve_files(image_dir, ids)
+
+    csv_sha = _sha256_file(csv_path)
+    side = cfg.img_size or 64
+    channels = cfg.channels or 3
+    cache = _cache_path(cfg, f"{csv_sha}:{image_dir.resolve()}:{side}:{channels}")
+    if cache is not None and cache.is_file():
+        with np.load(cache) as z:
+            images = z["images"]
+        log.info("loaded %d decoded images from cache %s", len(images), cache)
+    else:
+        pre = Preprocess(size=side, channels=channels, mean=(0.0,) * channels, std=(1.0,) * channels)
+        images = np.empty((len(files), side, side, channels), np.uint8)
+        for i, f in enumerate(files):
+            try:
+                with Image.open(f) as im:
+                    images[i] = pre.to_uint8(im)
+            except (UnidentifiedImageError, OSError, ValueError) as exc:
+                raise DataError(f"cannot read image {f}: {exc}") from exc
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp.npz")
+            np.savez(tmp, images=images)
+            os.replace(tmp, cache)
+    splits = _split(images, labels, ids, groups, cfg)
+    prov = {"source": "folder", "labels_csv": str(csv_path), "sha256": csv_sha, "image_dir": str(image_dir),
+            "n_images": int(len(ids))}
+    return splits, class_names, channels, prov
+
+
+def _read_csv(path: Path, cfg: RunConfig) -> list[tuple[str, str, str]]:
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh)
+            header = reader.fieldnames or []
+            for col in (cfg.image_column, cfg.label_column, cfg.group_column):
+                if col and col not in header:
+                    raise DataError(f"{path}: no column '{col}' (columns: {', '.join(header)})")
+            rows = []
+            for line, r in enumerate(reader, start=2):
+                img, lab = (r.get(cfg.image_column) or "").strip(), (r.get(cfg.label_column) or "").strip()
+                if not img or not lab:
+                    raise DataError(f"{path}:{line}: empty '{cfg.image_column}' or '{cfg.label_column}'")
+                grp = (r.get(cfg.group_column) or img).strip() if cfg.group_column else ""
+                rows.append((img, lab, grp))
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not a UTF-8 text CSV ({exc})") from exc
+    except csv.Error as exc:
+        raise DataError(f"{path}: malformed CSV ({exc})") from exc
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def _resolve_files(image_dir: Path, ids: np.ndarray) -> list[Path]:
+    if not image_dir.is_dir():
+        raise DataError(f"image folder not found: {image_dir}")
+    by_stem: dict[str, Path] = {}
+    by_name: dict[str, Path] = {}
+    for entry in os.scandir(image_dir):
+        if entry.is_file():
+            p = Path(entry.path)
+            by_name[p.name] = p
+            if p.suffix.lower() in IMAGE_EXTENSIONS:
+                by_stem.setdefault(p.stem, p)
+    files, missing = [], []
+    for i in ids:
+        f = by_name.get(i) or by_stem.get(i)
+        if f is None:
+            missing.append(i)
+        files.append(f)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise DataError(f"{len(missing)} image(s) named in the labels CSV are missing from {image_dir}: {shown}")
+    return files
+
+
+def _cache_path(cfg: RunConfig, key: str) -> Path | None:
+    if cfg.cache_dir == "":
+        return None
+    base = Path(cfg.cache_dir or os.environ.get("TAFL_CACHE", "~/.cache/tafl")).expanduser()
+    return base / f"folder-{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+
+
+# ---------------------------------------------------------------- splitting
+def _split(images: np.ndarray, labels: np.ndarray, ids: np.ndarray, groups: np.ndarray | None,
+           cfg: RunConfig) -> dict[str, Split]:
+    """Stratified train/val/test split; with groups, no group appears in two splits."""
+    idx = np.arange(len(labels))
+    test_idx, rest = _holdout(idx, labels, groups, cfg.test_fraction, cfg.seed)
+    val_frac = cfg.val_fraction / (1.0 - cfg.test_fraction)
+    val_rel, train_rel = _holdout(np.arange(len(rest)), labels[rest], None if groups is None else groups[rest],
+                                  val_frac, cfg.seed + 1)
+    val_idx, train_idx = rest[val_rel], rest[train_rel]
+    return {name: Split(images[i], labels[i], ids[i]) for name, i in
+            (("train", np.sort(train_idx)), ("val", np.sort(val_idx)), ("test", np.sort(test_idx)))}
+
+
+def _holdout(idx: np.ndarray, labels: np.ndarray, groups: np.ndarray | None, frac: float, seed: int):
+    from sklearn.model_selection import StratifiedGroupKFold, train_test_split
+
+    if groups is None:
+        try:
+            kept, held = train_test_split(idx, test_size=frac, stratify=labels, random_state=seed)
+        except ValueError:  # a class with a single image cannot be stratified
+            kept, held = train_test_split(idx, test_size=frac, random_state=seed)
+        return np.asarray(held), np.asarray(kept)
+    n_splits = max(2, int(round(1.0 / frac)))
+    if len(np.unique(groups)) < n_splits:
+        raise DataError(f"only {len(np.unique(groups))} groups: too few to hold out {frac:.0%} by group")
+    sgkf = StratifiedGroupKFold(n_splits=n_splits, shuffle=True, random_state=seed)
+    kept, held = next(sgkf.split(idx, labels, groups))
+    return idx[held], idx[kept]
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def index_hash(name: str, ids: np.ndarray, labels: np.ndarray) -> str:
+    """sha256 of a training index (the sample ids and labels in order): the data's fingerprint."""
+    h = hashlib.sha256(name.encode())
+    h.update(np.asarray([str(i) for i in ids]).astype("U").tobytes())
+    h.update(np.asarray(labels, np.int64).tobytes())
+    return h.hexdigest()

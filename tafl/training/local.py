@@ -1,0 +1,81 @@
+"""Local training on one client: batches, augmentation and the SGD loop every method shares.
+
+`local_sgd` runs E epochs over a client's data (uniform shuffling, or weighted sampling with
+replacement for GI-GDS), with an optional proximal term (FedProx) and a pluggable loss (DAFL).
+Augmentation (random crop after padding by 1/8 of the side, horizontal flip) is done on whole
+uint8 batches in torch, drawn from the client's own generator, so a run is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def augment_batch(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random crop with zero padding of side/8 and a random horizontal flip; x is float (B, C, H, W)."""
+    b, _, h, w = x.shape
+    pad = max(1, h // 8)
+    xp = F.pad(x, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen)
+    flip = torch.rand(b, generator=gen) < 0.5
+    # (B, H, W) gather indices for a per-sample crop
+    rows = (dy.view(b, 1) + torch.arange(h).view(1, h)).to(x.device)  # (B, H)
+    cols = (dx.view(b, 1) + torch.arange(w).view(1, w)).to(x.device)  # (B, W)
+    cols = torch.where(flip.view(b, 1).to(x.device), cols.flip(1), cols)
+    out = xp[torch.arange(b, device=x.device).view(b, 1, 1), :, rows.view(b, h, 1), cols.view(b, 1, w)]
+    return out.permute(0, 3, 1, 2).contiguous()  # advanced indexing puts C last: (B, H, W, C) -> (B, C, H, W)
+
+
+def epoch_order(n: int, gen: torch.Generator, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """One epoch of row positions: a permutation, or n weighted draws with replacement."""
+    if weights is None:
+        return torch.randperm(n, generator=gen)
+    return torch.multinomial(weights, n, replacement=True, generator=gen)
+
+
+def local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
+              normalize: Callable[[torch.Tensor], torch.Tensor], epochs: int, batch_size: int, lr: float,
+              momentum: float, weight_decay: float, gen: torch.Generator, augment: bool,
+              sample_weights: torch.Tensor | None = None, prox_mu: float = 0.0,
+              prox_ref: dict[str, torch.Tensor] | None = None, loss_fn: LossFn | None = None,
+              extra_params: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """Train `model` in place on (images uint8 (n,H,W,C), labels (n,)); returns mean loss and step count."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad] + list(extra_params or [])
+    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    loss_fn = loss_fn or F.cross_entropy
+    ref = None
+    if prox_mu > 0 and prox_ref is not None:
+        ref = [(p, prox_ref[name].to(p.device)) for name, p in model.named_parameters() if name in prox_ref]
+    n = len(labels)
+    total, steps, nonfinite = 0.0, 0, 0
+    for _ in range(epochs):
+        order = epoch_order(n, gen, sample_weights)
+        for start in range(0, n, batch_size):
+            idx = order[start:start + batch_size]
+            if len(idx) < 2 and n >= 2:
+                continue  # BatchNorm cannot train on a single sample
+            x = normalize(images[idx])
+            if augment:
+                x = augment_batch(x, gen)
+            y = labels[idx].to(x.device)
+            loss = loss_fn(model(x), y)
+            if ref is not None:
+                loss = loss + 0.5 * prox_mu * sum(((p - r) ** 2).sum() for p, r in ref)
+            if not torch.isfinite(loss):
+                nonfinite += 1
+                continue  # the update is dropped; the server also rejects non-finite weights
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            steps += 1
+    return {"loss": total / steps if steps else math.nan, "steps": float(steps), "nonfinite_steps": float(nonfinite)}

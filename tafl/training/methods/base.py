@@ -1,0 +1,150 @@
+"""The transport-free FL step interface (DESIGN.md §2) that every method implements.
+
+A round, driven by the in-process simulator or by the Flower adapter alike:
+
+    stats   = {k: method.client_stats(data_k)}                  # tiny: class counts, c_k, ...
+    cfg     = method.round_config(state, stats, round)         # plain JSON values, broadcast
+    payload = method.broadcast(state)                          # tensors sent to each client
+    results = [method.client_update(payload, data_k, cfg)]     # local work
+    state   = method.server_update(state, results, round)      # aggregation + server work
+
+Everything that crosses the wire is a `dict[str, Tensor]` or plain JSON, so transports only
+serialise; no method knows which transport runs it. `GlobalState` is what checkpoints hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tafl.packaging.preprocess import Preprocess
+from tafl.training.config import RunConfig
+from tafl.training.models import Classifier, ModelConfig, build_model
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class ClientData:
+    """One client's local data: indices into image/label tensors (shared in simulation)."""
+
+    client_id: int
+    images: torch.Tensor  # uint8 (N_all, H, W, C)
+    labels: torch.Tensor  # int64 (N_all,)
+    indices: torch.Tensor  # int64 (n,) this client's rows
+    num_classes: int
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def local_labels(self) -> torch.Tensor:
+        return self.labels[self.indices]
+
+    def class_counts(self) -> torch.Tensor:
+        return torch.bincount(self.local_labels, minlength=self.num_classes)
+
+
+@dataclass
+class ClientResult:
+    client_id: int
+    num_samples: int
+    weights: Tensors  # the updated model state (extractor, head, BatchNorm buffers)
+    extras: Tensors = field(default_factory=dict)  # method extras: expert gradients, statistics
+    metrics: dict[str, float] = field(default_factory=dict)  # loss etc.
+
+
+@dataclass
+class GlobalState:
+    weights: Tensors  # the global model state
+    extras: Tensors = field(default_factory=dict)  # method state: expert heads, GFF banks, counts
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON-able bookkeeping
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "extras": self.extras, "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GlobalState:
+        return cls(dict(d["weights"]), dict(d.get("extras", {})), dict(d.get("meta", {})))
+
+
+def tensor_bytes(tensors: Tensors) -> int:
+    return int(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+class Method:
+    """Base: FedAvg-style training of one `Classifier`. Subclasses override the steps they change."""
+
+    name = "base"
+
+    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, preprocess: Preprocess,
+                 device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.preprocess = preprocess
+        self.device = torch.device(device)
+        self.model: Classifier = build_model(model_cfg).to(self.device)  # the one working copy
+        self.mean = torch.tensor(preprocess.mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+        self.std = torch.tensor(preprocess.std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+
+    # ---- state ----
+    def init_state(self, train_counts: np.ndarray) -> GlobalState:
+        torch.manual_seed(self.cfg.seed)
+        model = build_model(self.model_cfg, pretrained=self.cfg.pretrained)
+        return GlobalState(weights={k: v.detach().clone() for k, v in model.state_dict().items()},
+                           extras={"global_counts": torch.as_tensor(train_counts, dtype=torch.float32)},
+                           meta={"round": 0})
+
+    # ---- the five steps ----
+    def client_stats(self, data: ClientData) -> Tensors:
+        return {"class_counts": data.class_counts().to(torch.float32)}
+
+    def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> dict[str, Any]:
+        return {"round": round_, "seed": self.cfg.seed}
+
+    def broadcast(self, state: GlobalState) -> Tensors:
+        return state.weights
+
+    def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+        raise NotImplementedError
+
+    def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
+        raise NotImplementedError
+
+    # ---- inference ----
+    def inference_model(self, state: GlobalState) -> nn.Module:
+        """A module mapping a normalised batch to {"probs": (B, C), "label": (B,)}."""
+        model = build_model(self.model_cfg)
+        model.load_state_dict(state.weights)
+        return ProbsAndLabel(model).eval()
+
+    def extra_report(self, state: GlobalState, test, ranks: np.ndarray) -> dict[str, Any]:
+        """Method-specific report sections (e.g. each expert's accuracies); none by default."""
+        return {}
+
+    # ---- helpers ----
+    def normalize(self, batch_u8: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, H, W, C) -> float (B, C, H, W), the same formula as Preprocess.normalize."""
+        x = batch_u8.to(self.device).permute(0, 3, 1, 2).to(torch.float32) / 255.0
+        return (x - self.mean) / self.std
+
+    def generator(self, round_: int, client_id: int, stream: int = 0) -> torch.Generator:
+        seed = int(np.random.SeedSequence([self.cfg.seed, round_, client_id, stream]).generate_state(1)[0])
+        return torch.Generator().manual_seed(seed)
+
+
+class ProbsAndLabel(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.model(x)  # (B, C)
+        return {"logits": logits, "probs": torch.softmax(logits, dim=1), "label": logits.argmax(dim=1)}

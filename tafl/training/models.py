@@ -1,0 +1,216 @@
+"""Backbones by name, each split into a feature extractor and a linear head.
+
+`resnet8` is CReFF's ResNet-8 (3×3 conv, one BasicBlock per stage at 64/128/256 channels times
+`width`, global average pooling); `vit_tafl_tiny` is a small timm ViT that trains on 28×28 on a
+CPU; any other timm ViT is built with `timm.create_model(name, pretrained=False, img_size=...,
+patch_size=..., in_chans=..., num_classes=0)`. The frozen `ModelConfig` travels in every
+checkpoint and package, so a checkpoint alone rebuilds its model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tafl.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    backbone: str  # resnet8 | vit_tafl_tiny | a timm ViT name
+    num_classes: int
+    in_chans: int  # 1 or 3
+    img_size: int  # square input side
+    width: float = 1.0  # resnet8 channel multiplier (1.0 = 64-128-256)
+    patch_size: int | None = None  # ViT patch side (None: chosen for img_size)
+    embed_dim: int | None = None  # ViT overrides (None: the backbone's own)
+    depth: int | None = None
+    num_heads: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        try:
+            return cls(**d)
+        except TypeError as exc:
+            raise CheckpointError(f"model config {d} does not describe a tafl model ({exc})") from exc
+
+    @property
+    def is_vit(self) -> bool:
+        return self.backbone != "resnet8"
+
+
+# ---------------------------------------------------------------- ResNet-8
+class BasicBlock(nn.Module):
+    def __init__(self, in_planes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = (nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
+                           if stride != 1 or in_planes != planes else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.downsample(x))
+
+
+class ResNet8(nn.Module):
+    """Feature extractor: (B, C, H, W) -> (B, 256·width)."""
+
+    def __init__(self, in_chans: int = 3, width: float = 1.0):
+        super().__init__()
+        c1, c2, c3 = (max(1, int(round(c * width))) for c in (64, 128, 256))
+        self.conv1 = nn.Conv2d(in_chans, c1, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c1)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = BasicBlock(c1, c1)
+        self.layer2 = BasicBlock(c1, c2, stride=2)
+        self.layer3 = BasicBlock(c2, c3, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.num_features = c3
+        for m in self.modules():  # CReFF's initialisation
+            if isinstance(m, nn.Conv2d):
+                n = m.kernel_size[0] * m.kernel_size[1] * m.out_channels
+                nn.init.normal_(m.weight, 0.0, math.sqrt(2.0 / n))
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward_maps(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        return self.layer3(self.layer2(self.layer1(x)))  # (B, D, H/4, W/4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.forward_maps(x)).flatten(1)  # (B, D)
+
+
+# ---------------------------------------------------------------- ViT (timm)
+def _auto_patch(img_size: int) -> int:
+    """Largest divisor p <= 16 of img_size leaving a grid of at least 7×7 patches."""
+    best = 1
+    for p in range(1, 17):
+        if img_size % p == 0 and img_size // p >= 7:
+            best = p
+    return best
+
+
+def _build_vit(cfg: ModelConfig, pretrained: bool) -> nn.Module:
+    import timm
+
+    kwargs: dict[str, Any] = {}
+    name = cfg.backbone
+    if name == "vit_tafl_tiny":
+        name = "vit_tiny_patch16_224"
+        kwargs.update(embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0)
+        patch = cfg.patch_size or _auto_patch(cfg.img_size)
+    else:
+        patch = cfg.patch_size
+    if patch is not None:
+        kwargs["patch_size"] = patch
+    for key in ("embed_dim", "depth", "num_heads"):
+        if getattr(cfg, key) is not None:
+            kwargs[key] = getattr(cfg, key)
+    try:
+        model = timm.create_model(name, pretrained=pretrained, img_size=cfg.img_size, in_chans=cfg.in_chans,
+                                  num_classes=0, **kwargs)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot build timm model '{cfg.backbone}': {exc}") from exc
+    except (AssertionError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot build timm model '{cfg.backbone}' at img_size {cfg.img_size} "
+                          f"(patch {patch}): {exc}") from exc
+    for blk in getattr(model, "blocks", []):
+        if hasattr(blk, "attn") and hasattr(blk.attn, "fused_attn"):
+            blk.attn.fused_attn = False  # attention probabilities must be observable for rollout
+    return model
+
+
+# ---------------------------------------------------------------- the split model
+class Classifier(nn.Module):
+    """A feature extractor and a linear head: `extractor.*` and `head.*` in the state dict."""
+
+    def __init__(self, extractor: nn.Module, feature_dim: int, num_classes: int):
+        super().__init__()
+        self.extractor = extractor
+        self.head = nn.Linear(feature_dim, num_classes)
+        self.feature_dim = feature_dim
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extractor(x)  # (B, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))  # (B, C)
+
+
+def _check_name(name: str) -> None:
+    if name in ("resnet8", "vit_tafl_tiny"):
+        return
+    import timm
+
+    if not (name.startswith(("vit_", "deit", "eva", "beit")) and name in timm.list_models()):
+        vits = ", ".join(timm.list_models("vit_tiny*")[:3])
+        raise ConfigError(f"unknown backbone '{name}': use resnet8, vit_tafl_tiny or a timm ViT name (e.g. {vits})")
+
+
+def build_model(cfg: ModelConfig, pretrained: str | None = None) -> Classifier:
+    """Build the model a config describes; `pretrained` is a weights file or 'hub'."""
+    _check_name(cfg.backbone)
+    if cfg.in_chans not in (1, 3):
+        raise ConfigError(f"in_chans must be 1 or 3, got {cfg.in_chans}")
+    hub = pretrained == "hub"
+    if cfg.backbone == "resnet8":
+        if hub:
+            raise ConfigError("resnet8 has no hub weights; pass a local weights file to --pretrained")
+        extractor: nn.Module = ResNet8(cfg.in_chans, cfg.width)
+    else:
+        extractor = _build_vit(cfg, pretrained=hub)
+    model = Classifier(extractor, int(extractor.num_features), cfg.num_classes)
+    if pretrained and not hub:
+        load_pretrained(model, pretrained)
+    return model
+
+
+def load_pretrained(model: Classifier, path: str) -> None:
+    """Load local weights into the extractor: a tafl checkpoint, or a state dict of the extractor or whole model."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"--pretrained {p}: file not found")
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"--pretrained {p}: not a loadable weights file ({type(exc).__name__}: {exc})") from exc
+    if isinstance(obj, dict) and "state" in obj and isinstance(obj["state"], dict):
+        obj = obj["state"].get("weights", obj["state"])
+    if isinstance(obj, dict) and "state_dict" in obj:
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"--pretrained {p}: expected a state dict")
+    own = model.extractor.state_dict()
+    mapped = {}
+    for k, v in obj.items():
+        key = k[len("extractor."):] if k.startswith("extractor.") else k
+        if key in own and own[key].shape == v.shape:
+            mapped[key] = v
+    if not mapped:
+        raise CheckpointError(f"--pretrained {p}: no tensor matches the {type(model.extractor).__name__} extractor")
+    missing = [k for k in own if k not in mapped]
+    model.extractor.load_state_dict(mapped, strict=False)
+    log.info("loaded %d/%d extractor tensors from %s (%d left at initialisation)", len(mapped), len(own), p,
+             len(missing))
+
+
+BACKBONES: dict[str, Callable[..., Any]] = {"resnet8": ResNet8, "vit_tafl_tiny": _build_vit}

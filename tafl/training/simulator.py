@@ -1,0 +1,297 @@
+"""The in-process federated simulator: the embedded default transport of DESIGN.md §2.
+
+It builds the long-tailed training set and the client partition once, keeps one copy of the
+data (clients hold index tensors into it) and one working model inside the method, then drives
+the method's transport-free steps round by round. After every round it writes an atomic
+checkpoint; `resume=True` continues a killed run from the newest one and, because every random
+draw is a function of (seed, round, client), ends with exactly the weights of an uninterrupted
+run. The kept model (last round, or best validation balanced accuracy with `select: val`) goes
+to `OUT/final.pt` and is evaluated on the eleven test distributions.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import tafl
+from tafl.errors import CheckpointError, ConfigError, RunDirError
+from tafl.training.checkpoint import latest_round_checkpoint, load_checkpoint, save_checkpoint
+from tafl.training.config import RunConfig
+from tafl.training.data import Dataset, Split, index_hash, load_dataset
+from tafl.training.evaluate import balanced_accuracy, evaluate_outputs, predict
+from tafl.training.longtail import class_ranks, client_class_counts, dirichlet_partition, make_longtail, select_clients
+from tafl.training.methods import GlobalState, Method, method_class
+from tafl.training.methods.base import ClientData, tensor_bytes
+from tafl.training.models import ModelConfig
+from tafl.training.report import write_json, write_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """Everything a run derives from its data and config, before any training."""
+
+    dataset: Dataset
+    train: Split  # the long-tailed training set
+    parts: list[np.ndarray]  # client -> row indices into `train`
+    ranks: np.ndarray  # training-frequency rank per class
+    train_counts: np.ndarray  # (C,)
+    client_counts: np.ndarray  # (K, C)
+    model_cfg: ModelConfig
+    index_sha256: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' asked for, but no CUDA device is visible; use --device cpu or auto")
+    return torch.device(name)
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    ds = load_dataset(cfg)
+    keep = make_longtail(ds.train.labels, ds.num_classes, cfg.imbalance_factor, cfg.seed)
+    train = ds.train.subset(keep)
+    counts = np.bincount(train.labels, minlength=ds.num_classes)
+    ranks = class_ranks(train.labels, ds.num_classes)
+    parts = dirichlet_partition(train.labels, cfg.clients, cfg.alpha, cfg.seed, equal=cfg.partition == "equal",
+                                num_classes=ds.num_classes)
+    cc = client_class_counts(train.labels, parts, ds.num_classes)
+    model_cfg = ModelConfig(backbone=cfg.backbone, num_classes=ds.num_classes, in_chans=ds.preprocess.channels,
+                            img_size=ds.preprocess.size, width=cfg.width, patch_size=cfg.patch_size,
+                            embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads)
+    return Prepared(ds, train, parts, ranks, counts, cc, model_cfg, index_hash(cfg.dataset, train.ids, train.labels))
+
+
+def make_method(cfg: RunConfig, model_cfg: ModelConfig, preprocess, device: torch.device | str = "cpu") -> Method:
+    return method_class(cfg.method)(cfg, model_cfg, preprocess, device)
+
+
+# ------------------------------------------------------------------ run folder
+def _prepare_out(out: Path, cfg: RunConfig, resume: bool, force: bool) -> RunConfig:
+    run_json = out / "run.json"
+    if resume:
+        if not run_json.is_file():
+            raise RunDirError(f"--resume: {out} holds no tafl run (no run.json)")
+        saved = RunConfig.from_dict(json.loads(run_json.read_text())["config"], str(run_json)).validate()
+        diff = [k for k, v in cfg.to_dict().items() if k != "rounds" and saved.to_dict()[k] != v]
+        if diff:
+            k = diff[0]
+            raise ConfigError(f"--resume: the config differs from the run in {out}: '{k}' was "
+                              f"{saved.to_dict()[k]!r}, now {cfg.to_dict()[k]!r} (only 'rounds' may change)")
+        saved.rounds = cfg.rounds
+        return saved
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise RunDirError(f"{out} already holds files; pass --force to replace that run, or --resume to continue it")
+        if not run_json.is_file():
+            raise RunDirError(f"{out} is not empty and holds no tafl run; refusing to delete it even with --force")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(run_json, {"config": cfg.to_dict(), "created": _now(), "tafl_version": tafl.__version__})
+    return cfg
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------ training
+def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool = False,
+          progress: bool | None = None) -> dict[str, Any]:
+    """Train, checkpoint every round, evaluate; returns the report (also written to OUT)."""
+    out = Path(out)
+    cfg = _prepare_out(out, cfg.validate(), resume, force)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    file_log = logging.FileHandler(out / "train.log")
+    file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("tafl").addHandler(file_log)
+    try:
+        return _train(cfg, out, resume, device, progress)
+    finally:
+        logging.getLogger("tafl").removeHandler(file_log)
+        file_log.close()
+
+
+def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progress: bool | None) -> dict[str, Any]:
+    prep = prepare(cfg)
+    ds = prep.dataset
+    log.info("%s: %d training images after the long tail (IF %s), class counts %s; %d clients",
+             cfg.dataset, len(prep.train), cfg.imbalance_factor, prep.train_counts.tolist(), cfg.clients)
+    for k, row in enumerate(prep.client_counts):
+        log.info("client %d: %d samples, class counts %s", k, int(row.sum()), row.tolist())
+    method = make_method(cfg, prep.model_cfg, ds.preprocess, device)
+    images = torch.from_numpy(prep.train.images)  # the one copy of the training data
+    labels = torch.from_numpy(prep.train.labels)
+    clients = [ClientData(k, images, labels, torch.from_numpy(p), ds.num_classes) for k, p in enumerate(prep.parts)]
+
+    book: dict[str, Any] = {"history": [], "timing": {"client_s": 0.0, "server_s": 0.0, "eval_s": 0.0},
+                            "communication": {"uplink_bytes": 0, "downlink_bytes": 0}, "best": None}
+    state = method.init_state(prep.train_counts)
+    start = 0
+    ckpt_dir = out / "checkpoints"
+    if resume:
+        latest = latest_round_checkpoint(ckpt_dir)
+        if latest is None:
+            log.info("--resume: no readable round checkpoint in %s; starting from round 1", ckpt_dir)
+        else:
+            ck = load_checkpoint(latest)
+            if ck.get("index_sha256") != prep.index_sha256:
+                raise CheckpointError(f"{latest} was trained on different data (training index hash differs)")
+            state = GlobalState.from_dict(ck["state"])
+            start = int(ck["round"])
+            book = ck["book"]
+            log.info("resuming after round %d from %s", start, latest)
+
+    common = _common_fields(cfg, prep)
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(), tqdm(total=cfg.rounds, initial=start, desc=f"{cfg.method} rounds", unit="round",
+                                       disable=(not progress) if progress is not None else None,
+                                       dynamic_ncols=True) as bar:
+        for r in range(start + 1, cfg.rounds + 1):
+            state = _one_round(method, state, clients, r, cfg, book)
+            t0 = time.perf_counter()
+            h = book["history"][-1]
+            if r % cfg.eval_every == 0 or r == cfg.rounds:
+                h["val_acc"], h["val_bacc"] = validate(method, state, ds.val, cfg.eval_batch_size)
+                if cfg.select == "val" and (book["best"] is None or h["val_bacc"] > book["best"]["val_bacc"]):
+                    book["best"] = {"round": r, "val_bacc": h["val_bacc"], "val_acc": h["val_acc"],
+                                    "state": state.to_dict()}
+            book["timing"]["eval_s"] += time.perf_counter() - t0
+            save_checkpoint({**common, "state": state.to_dict(), "round": r, "book": book},
+                            ckpt_dir / f"round_{r:04d}.pt")
+            for old in sorted(ckpt_dir.glob("round_*.pt"))[:-cfg.keep_checkpoints]:
+                old.unlink(missing_ok=True)
+            bar.update(1)
+            bar.set_postfix(loss=f"{h['loss']:.3f}", val_acc=_pct(h.get("val_acc")), val_bacc=_pct(h.get("val_bacc")))
+            log.info("round %d/%d: loss %.4f, val acc %s, val balanced acc %s, %.1f s", r, cfg.rounds, h["loss"],
+                     _pct(h.get("val_acc")), _pct(h.get("val_bacc")), h["seconds"])
+
+    if cfg.select == "val" and book["best"] is not None:
+        kept, kept_round = GlobalState.from_dict(book["best"]["state"]), book["best"]["round"]
+    else:
+        kept, kept_round = state, cfg.rounds
+    final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
+                                                                              if k != "best"}}
+    save_checkpoint(final, out / "final.pt")
+    report = evaluate_checkpoint(final, ds, method=method)
+    report.update(selected_round=kept_round, selection=cfg.select, rounds_run=cfg.rounds)
+    write_report(out, report)
+    log.info("mean prior-weighted accuracy over the eleven distributions: %s (backward50 %s, forward50 %s)",
+             _pct(report["average_accuracy"]), _pct(report["test_distributions"]["backward50"]["accuracy"]),
+             _pct(report["test_distributions"]["forward50"]["accuracy"]))
+    return report
+
+
+def _one_round(method: Method, state: GlobalState, clients: list[ClientData], r: int, cfg: RunConfig,
+               book: dict[str, Any]) -> GlobalState:
+    t_round = time.perf_counter()
+    selected = select_clients(len(clients), cfg.frac, cfg.seed, r)
+    stats = {k: method.client_stats(clients[k]) for k in selected}
+    round_cfg = method.round_config(state, stats, r)
+    payload = method.broadcast(state)
+    comm = book["communication"]
+    comm["downlink_bytes"] += tensor_bytes(payload) * len(selected)
+    results = []
+    for k in selected:
+        t0 = time.perf_counter()
+        res = method.client_update(payload, clients[k], round_cfg)
+        book["timing"]["client_s"] += time.perf_counter() - t0
+        comm["uplink_bytes"] += tensor_bytes(res.weights) + tensor_bytes(res.extras) + tensor_bytes(stats[k])
+        results.append(res)
+    t0 = time.perf_counter()
+    state = method.server_update(state, results, r)
+    book["timing"]["server_s"] += time.perf_counter() - t0
+    for key, secs in state.meta.pop("round_timing", {}).items():
+        book["timing"][key] = book["timing"].get(key, 0.0) + secs
+    losses = [res.metrics.get("loss", float("nan")) for res in results]
+    finite = [x for x in losses if np.isfinite(x)]
+    book["history"].append({"round": r, "clients": selected, "loss": float(np.mean(finite)) if finite else float("nan"),
+                            "dropped": state.meta.get("dropped", []), "seconds": time.perf_counter() - t_round})
+    return state
+
+
+def validate(method: Method, state: GlobalState, val: Split, batch_size: int) -> tuple[float, float]:
+    module = method.inference_model(state).to(method.device)
+    out = predict(module, val.images, method.normalize, batch_size, keys=("label",))
+    preds = out["label"]
+    return float((preds == val.labels).mean()), balanced_accuracy(preds, val.labels, int(method.model_cfg.num_classes))
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.2f}%"
+
+
+def _common_fields(cfg: RunConfig, prep: Prepared) -> dict[str, Any]:
+    return {
+        "method": cfg.method,
+        "model_config": prep.model_cfg.to_dict(),
+        "run_config": cfg.to_dict(),
+        "class_names": list(prep.dataset.class_names),
+        "preprocess": prep.dataset.preprocess.to_dict(),
+        "train_class_counts": [int(c) for c in prep.train_counts],
+        "class_ranks": [int(r) for r in prep.ranks],
+        "client_class_counts": prep.client_counts.tolist(),
+        "index_sha256": prep.index_sha256,
+        "data_provenance": {**prep.dataset.provenance, "training_index_sha256": prep.index_sha256,
+                            "n_train": int(len(prep.train)), "n_val": int(len(prep.dataset.val)),
+                            "n_test": int(len(prep.dataset.test))},
+        "tafl_version": tafl.__version__,
+        "created": _now(),
+    }
+
+
+# ------------------------------------------------------------------ evaluation of a checkpoint
+def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset, method: Method | None = None) -> dict[str, Any]:
+    """The report of a checkpoint on the dataset's test split (and its validation split)."""
+    cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
+    model_cfg = ModelConfig.from_dict(ck["model_config"])
+    if list(ds.class_names) != list(ck["class_names"]):
+        raise CheckpointError(f"the checkpoint's classes {ck['class_names']} differ from the dataset's "
+                              f"{ds.class_names}")
+    from tafl.packaging.preprocess import Preprocess
+
+    pre = Preprocess.from_dict(ck["preprocess"])
+    if ds.test.images.shape[1:] != (pre.size, pre.size, pre.channels):
+        raise CheckpointError(f"the dataset was loaded at {ds.test.images.shape[1:]}, the model takes "
+                              f"{(pre.size, pre.size, pre.channels)}")
+    if method is None:
+        method = make_method(cfg, model_cfg, pre, resolve_device(cfg.device))
+    state = GlobalState.from_dict(ck["state"])
+    ranks = np.asarray(ck["class_ranks"])
+    t0 = time.perf_counter()
+    module = method.inference_model(state).to(method.device)
+    out = predict(module, ds.test.images, method.normalize, cfg.eval_batch_size)
+    report: dict[str, Any] = {"method": ck["method"], "dataset": cfg.dataset, "label": ck["method"],
+                              "config": ck["run_config"], "class_names": ck["class_names"],
+                              "class_ranks": ck["class_ranks"], "train_class_counts": ck["train_class_counts"],
+                              "client_class_counts": ck.get("client_class_counts")}
+    report.update(evaluate_outputs(out["probs"], out["label"], ds.test.labels, ranks, cfg.test_seed))
+    report.update(method.extra_report(state, ds.test, ranks))
+    val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=("label",))["label"]
+    report["validation"] = {"accuracy": float((val == ds.val.labels).mean()),
+                            "balanced_accuracy": balanced_accuracy(val, ds.val.labels, len(ds.class_names))}
+    book = ck.get("book", {})
+    report["timing"] = dict(book.get("timing", {}), test_eval_s=time.perf_counter() - t0)
+    report["communication"] = dict(book.get("communication", {}))
+    report["history"] = book.get("history", [])
+    report["data_provenance"] = ck.get("data_provenance", {})
+    report["selected_round"] = ck["round"]
+    report["tafl_version"] = tafl.__version__
+    return report

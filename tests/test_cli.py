@@ -1,0 +1,113 @@
+"""The `tafl` command: one clear error line and a non-zero exit for bad input, and kill + resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CONFIGS
+
+TAFL = [sys.executable, "-m", "tafl.cli"]
+
+
+def run(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*TAFL, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def assert_clean_error(res: subprocess.CompletedProcess, pattern: str) -> None:
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("tafl: error:")]
+    assert len(errors) == 1 and pattern in errors[0], res.stderr
+
+
+@pytest.mark.parametrize("flags,pattern", [
+    (["--dataset", "cifar99"], "unknown dataset 'cifar99'"),
+    (["--dataset", "dermamnist", "--data-root", "/nonexistent"], "dermamnist.npz not found"),
+    (["--imbalance-factor", "0.5"], "imbalance factor must be >= 1"),
+    (["--alpha", "0"], "Dirichlet concentration must be > 0"),
+    (["--alpha", "-1"], "Dirichlet concentration must be > 0"),
+    (["--clients", "5000"], "5000 clients but only"),
+])
+def test_train_bad_input_is_one_clear_line(tmp_path, flags, pattern):
+    res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(tmp_path / "o"), *flags)
+    assert_clean_error(res, pattern)
+
+
+def test_unknown_config_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rounds: 1\nlearning_rate: 0.1\n")
+    assert_clean_error(run("train", "--config", str(cfg), "--out", str(tmp_path / "o")), "unknown config key 'learning_rate'")
+
+
+def test_folder_csv_with_missing_images(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "labels.csv").write_text("image_id,dx\na,nv\nb,mel\n")
+    res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(tmp_path / "o"), "--dataset", "folder",
+              "--data-root", str(tmp_path), "--labels", "labels.csv", "--label-column", "dx")
+    assert_clean_error(res, "2 image(s) named in the labels CSV are missing")
+
+
+def test_empty_class_is_an_error(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()
+    rows = ["image_id,dx"]
+    for i in range(30):
+        Image.new("L", (10, 10), i).save(tmp_path / "images" / f"i{i}.png")
+        rows.append(f"i{i},{'a' if i < 29 else 'b'}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(tmp_path / "o"), "--dataset", "folder",
+              "--data-root", str(tmp_path), "--labels", "labels.csv", "--label-column", "dx")
+    assert_clean_error(res, "class(es) b have no")
+
+
+def test_corrupt_checkpoint_for_eval(tmp_path):
+    bad = tmp_path / "final.pt"
+    bad.write_bytes(b"\x00" * 100)
+    assert_clean_error(run("eval", str(bad)), "not a readable tafl checkpoint")
+    assert_clean_error(run("eval", str(tmp_path / "missing.pt")), "checkpoint not found")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
+    assert_clean_error(run("eval", str(tmp_path / "foreign.pt")), "not a tafl checkpoint")
+
+
+def test_existing_output_needs_force(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(out))
+    assert_clean_error(res, "--force")
+
+
+@pytest.mark.slow
+def test_kill_then_resume_and_eval(tmp_path):
+    """A run killed mid-way continues with --resume; `tafl eval` re-creates the report from final.pt."""
+    out = tmp_path / "run"
+    args = [*TAFL, "train", "--config", str(CONFIGS / "smoke.yaml"), "--rounds", "6", "--out", str(out),
+            "--no-progress"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((out / "checkpoints").glob("round_0002.pt")):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final.pt").exists(), "the run finished before it could be killed"
+    res = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "resuming after round" in res.stderr
+    ref = tmp_path / "ref"
+    res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--rounds", "6", "--out", str(ref), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    a = torch.load(out / "final.pt", weights_only=True)["state"]["weights"]
+    b = torch.load(ref / "final.pt", weights_only=True)["state"]["weights"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    res = run("eval", str(out / "final.pt"), "--out", str(tmp_path / "ev"))
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "ev" / "report.json").is_file() and (tmp_path / "ev" / "accuracy.png").is_file()

@@ -1,0 +1,59 @@
+"""Run configs: files, flags, unknown keys and bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from tafl.errors import ConfigError
+from tafl.training.config import RunConfig, load_config
+from tests.conftest import CONFIGS
+
+
+@pytest.mark.parametrize("name", ["smoke.yaml", "benchmark.yaml", "paper.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.rounds >= 1
+
+
+def test_flags_override_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rounds: 3\nalpha: 0.1\n")
+    cfg = load_config(f, {"rounds": 9, "seed": None})
+    assert cfg.rounds == 9 and cfg.alpha == 0.1 and cfg.seed == 7
+
+
+def test_unknown_key_names_the_key_and_suggests(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("local_epoch: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'local_epoch'.*local_epochs"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("imbalance_factor", 0.5, ">= 1"), ("alpha", 0.0, "> 0"), ("alpha", -1.0, "> 0"), ("frac", 1.5, "fraction"),
+    ("rounds", 0, ">= 1"), ("method", "fedsgd", "unknown method"), ("channels", 2, "1 or 3"),
+])
+def test_bad_values_are_rejected(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_dict({key: value}).validate()
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(ConfigError, match="'rounds' must be int"):
+        RunConfig.from_dict({"rounds": "ten"})
+    with pytest.raises(ConfigError, match="'augment' must be bool"):
+        RunConfig.from_dict({"augment": "yes"})
+
+
+def test_int_accepted_for_float_and_null_for_natural():
+    cfg = RunConfig.from_dict({"lr": 1, "imbalance_factor": None})
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.imbalance_factor is None
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rounds: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
