@@ -56,6 +56,29 @@ class RunConfig:
     weight_decay: float = 0.0  # local SGD weight decay
     mu: float = 0.01  # FedProx proximal coefficient
     augment: bool = True  # random crop (pad 1/8 of the side) and horizontal flip during local training
+    # --- GTAFL / CReFF (DESIGN.md §4); the four ablation switches are Table IV's CR, EN, CL, GS ---
+    cr: bool = True  # classifier retraining on global federated features (off: predict with the FedAvg head)
+    en: bool = True  # forward/uniform/backward expert ensemble (off: the uniform expert alone)
+    cl: bool = True  # server-side SimCLR refinement of the extractor
+    gs: bool = True  # GI-GDS sampling on clients (off: uniform shuffling)
+    gs_tau: float = 0.9  # GI-GDS cosine-similarity threshold
+    gff_m: int = 100  # m: base synthetic features per class and expert
+    gff_lambda: float = 0.01  # λ: forward/backward experts hold m + λ·d_c features of class c
+    grad_samples: int = 32  # samples per local class for the client's expert gradients
+    match_steps: int = 100  # GFF matching SGD steps per round
+    match_lr: float = 0.1  # GFF matching learning rate (CReFF: 0.1)
+    retrain_epochs: int = 300  # expert retraining epochs over its bank per round (CReFF: 300)
+    retrain_lr: float = 0.01  # expert retraining SGD learning rate (CReFF: 0.01)
+    retrain_batch: int = 32  # expert retraining batch size
+    expert_init: str = "warm"  # warm: experts continue from last round; fresh: re-initialised each round (CReFF)
+    vote: str = "hard"  # hard (uniform expert breaks ties) | soft | confidence
+    simclr_pool: str = "val"  # unlabeled server images: val | test (transductive, as the paper) | train
+    simclr_steps: int = 10  # SimCLR SGD steps per round in which it runs
+    simclr_every: int = 1  # run SimCLR every N rounds
+    simclr_lr: float = 0.001  # SimCLR learning rate (paper: 1e-3 CIFAR10, 1e-4 PathMNIST, 1e-5 OCTMNIST)
+    simclr_batch: int = 128  # images per SimCLR step (two views each)
+    simclr_tau: float = 0.5  # NT-Xent temperature
+    simclr_proj_dim: int = 128  # projection head output size
     # --- model ---
     backbone: str = "resnet8"  # resnet8, vit_tafl_tiny, or any timm ViT name
     width: float = 1.0  # resnet8 width multiplier: 1.0 = the paper's 64-128-256 channels
@@ -134,6 +157,25 @@ class RunConfig:
             raise bad("width", "must be > 0")
         if self.select not in ("last", "val"):
             raise bad("select", "choose last or val")
+        if self.expert_init not in ("warm", "fresh"):
+            raise bad("expert_init", "choose warm or fresh")
+        if self.vote not in ("hard", "soft", "confidence"):
+            raise bad("vote", "choose hard, soft or confidence")
+        if self.simclr_pool not in ("val", "test", "train"):
+            raise bad("simclr_pool", "choose val, test or train")
+        for key in ("gff_m", "grad_samples", "retrain_epochs", "retrain_batch", "simclr_every", "simclr_proj_dim"):
+            if getattr(self, key) < 1:
+                raise bad(key, "must be >= 1")
+        if self.simclr_batch < 2:
+            raise bad("simclr_batch", "must be >= 2 (NT-Xent needs negatives)")
+        for key in ("match_steps", "simclr_steps", "gff_lambda"):
+            if getattr(self, key) < 0:
+                raise bad(key, "must be >= 0")
+        for key in ("match_lr", "retrain_lr", "simclr_lr", "simclr_tau"):
+            if not getattr(self, key) > 0:
+                raise bad(key, "must be > 0")
+        if not 0 <= self.gs_tau <= 1:
+            raise bad("gs_tau", "must be in [0, 1]")
         if self.device not in ("cpu", "cuda", "auto"):
             raise bad("device", "choose cpu, cuda or auto")
         if self.dataset == "folder" and (not self.data_root or not self.labels):

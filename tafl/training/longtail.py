@@ -32,7 +32,12 @@ DISTRIBUTION_NAMES = tuple(d[0] for d in DISTRIBUTIONS)
 
 def class_ranks(labels: np.ndarray, num_classes: int) -> np.ndarray:
     """rank[c] of every class by descending frequency; ties keep class-index order."""
-    counts = np.bincount(labels, minlength=num_classes)
+    return ranks_from_counts(np.bincount(labels, minlength=num_classes))
+
+
+def ranks_from_counts(counts: np.ndarray) -> np.ndarray:
+    counts = np.asarray(counts)
+    num_classes = len(counts)
     order = np.lexsort((np.arange(num_classes), -counts))  # most frequent first
     ranks = np.empty(num_classes, np.int64)
     ranks[order] = np.arange(num_classes)

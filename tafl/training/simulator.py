@@ -119,11 +119,20 @@ def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool 
     device = resolve_device(cfg.device)
     file_log = logging.FileHandler(out / "train.log")
     file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("tafl").addHandler(file_log)
+    file_log.setLevel(logging.INFO)
+    tafl_log = logging.getLogger("tafl")
+    old_level = tafl_log.level
+    if tafl_log.getEffectiveLevel() > logging.INFO:
+        tafl_log.setLevel(logging.INFO)  # train.log always gets the INFO lines
+        for h in logging.getLogger().handlers:  # without lowering what the console shows
+            if h.level == logging.NOTSET:
+                h.setLevel(logging.getLogger().getEffectiveLevel())
+    tafl_log.addHandler(file_log)
     try:
         return _train(cfg, out, resume, device, progress)
     finally:
-        logging.getLogger("tafl").removeHandler(file_log)
+        tafl_log.removeHandler(file_log)
+        tafl_log.setLevel(old_level)
         file_log.close()
 
 
@@ -141,7 +150,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
 
     book: dict[str, Any] = {"history": [], "timing": {"client_s": 0.0, "server_s": 0.0, "eval_s": 0.0},
                             "communication": {"uplink_bytes": 0, "downlink_bytes": 0}, "best": None}
+    method.attach_server_pool(server_pool(cfg, ds))
     state = method.init_state(prep.train_counts)
+    # round 0: the census; every client reports its class counts before training starts
+    method.round_config(state, {c.client_id: method.client_stats(c) for c in clients}, 0)
     start = 0
     ckpt_dir = out / "checkpoints"
     if resume:
@@ -197,6 +209,16 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
              _pct(report["average_accuracy"]), _pct(report["test_distributions"]["backward50"]["accuracy"]),
              _pct(report["test_distributions"]["forward50"]["accuracy"]))
     return report
+
+
+def server_pool(cfg: RunConfig, ds: Dataset) -> torch.Tensor | None:
+    """The server's unlabeled images for SimCLR: a split's images, never its labels."""
+    if cfg.method != "gtafl" or not cfg.cl:
+        return None
+    split = {"val": ds.val, "test": ds.test, "train": ds.train}[cfg.simclr_pool]
+    if cfg.simclr_pool == "test":
+        log.warning("SimCLR pool = the unlabeled TEST images (transductive, as the paper); reports are labelled so")
+    return torch.from_numpy(split.images)
 
 
 def _one_round(method: Method, state: GlobalState, clients: list[ClientData], r: int, cfg: RunConfig,
@@ -277,13 +299,13 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset, method: Method | None =
     ranks = np.asarray(ck["class_ranks"])
     t0 = time.perf_counter()
     module = method.inference_model(state).to(method.device)
-    out = predict(module, ds.test.images, method.normalize, cfg.eval_batch_size)
+    out = predict(module, ds.test.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
     report: dict[str, Any] = {"method": ck["method"], "dataset": cfg.dataset, "label": ck["method"],
                               "config": ck["run_config"], "class_names": ck["class_names"],
                               "class_ranks": ck["class_ranks"], "train_class_counts": ck["train_class_counts"],
                               "client_class_counts": ck.get("client_class_counts")}
     report.update(evaluate_outputs(out["probs"], out["label"], ds.test.labels, ranks, cfg.test_seed))
-    report.update(method.extra_report(state, ds.test, ranks))
+    report.update(method.extra_report(state, out, ds.test, ranks))
     val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=("label",))["label"]
     report["validation"] = {"accuracy": float((val == ds.val.labels).mean()),
                             "balanced_accuracy": balanced_accuracy(val, ds.val.labels, len(ds.class_names))}

@@ -29,6 +29,7 @@ from tafl.training.models import Classifier, ModelConfig, build_model
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+SERVER = 1 << 20  # the id server-side random streams use in place of a client id
 
 
 @dataclass
@@ -99,15 +100,32 @@ class Method:
         torch.manual_seed(self.cfg.seed)
         model = build_model(self.model_cfg, pretrained=self.cfg.pretrained)
         return GlobalState(weights={k: v.detach().clone() for k, v in model.state_dict().items()},
-                           extras={"global_counts": torch.as_tensor(train_counts, dtype=torch.float32)},
-                           meta={"round": 0})
+                           extras={"global_counts": torch.zeros(len(train_counts))},
+                           meta={"round": 0, "client_counts": {}})
 
     # ---- the five steps ----
     def client_stats(self, data: ClientData) -> Tensors:
         return {"class_counts": data.class_counts().to(torch.float32)}
 
     def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> dict[str, Any]:
+        self.record_counts(state, stats)
         return {"round": round_, "seed": self.cfg.seed}
+
+    def record_counts(self, state: GlobalState, stats: dict[int, Tensors]) -> None:
+        """Keep each client's latest class counts; the global counts are their sum.
+
+        Round 0 is the census every transport runs before training: all clients report.
+        """
+        table = state.meta.setdefault("client_counts", {})
+        for k, s in stats.items():
+            counts = s.get("class_counts")
+            if counts is None or counts.shape != state.extras["global_counts"].shape or \
+                    not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
+                log.warning("client %s sent unusable class counts; ignored", k)
+                continue
+            table[str(k)] = [float(v) for v in counts.tolist()]
+        if table:
+            state.extras["global_counts"] = torch.tensor(np.sum(list(table.values()), axis=0), dtype=torch.float32)
 
     def broadcast(self, state: GlobalState) -> Tensors:
         return state.weights
@@ -125,7 +143,12 @@ class Method:
         model.load_state_dict(state.weights)
         return ProbsAndLabel(model).eval()
 
-    def extra_report(self, state: GlobalState, test, ranks: np.ndarray) -> dict[str, Any]:
+    output_keys: tuple[str, ...] = ("probs", "label")  # what evaluation collects from the inference model
+
+    def attach_server_pool(self, images_u8: torch.Tensor | None) -> None:
+        """Unlabeled server-side images (GTAFL's SimCLR); other methods ignore them."""
+
+    def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
         """Method-specific report sections (e.g. each expert's accuracies); none by default."""
         return {}
 

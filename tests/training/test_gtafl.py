@@ -1,0 +1,249 @@
+"""GTAFL and CReFF: GI-GDS, expert gradients, GFF matching, specialisation, votes, switches, faults."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from tafl.training import gff
+from tafl.training.checkpoint import load_checkpoint
+from tafl.training.ensemble import ExpertEnsemble
+from tafl.training.evaluate import evaluate_outputs
+from tafl.training.methods.base import ClientResult, GlobalState
+from tafl.training.methods.gtafl import GTAFL, gigds_class_weights
+from tafl.training.simulator import make_method, prepare, train
+
+
+def test_gigds_weights_against_hand_computation():
+    local = torch.tensor([10.0, 0.0, 5.0])
+    glob = torch.tensor([100.0, 50.0, 10.0])
+    # cos = (1000 + 0 + 50) / (sqrt(125) * sqrt(12600)) = 0.8367 < 0.9 -> alpha = 1: local inverse frequency
+    w, alpha = gigds_class_weights(local, glob, tau=0.9, eps=1e-6)
+    assert alpha == 1.0
+    assert torch.allclose(w, torch.tensor([1 / 10, 1 / 1e-6, 1 / 5]), rtol=1e-5)
+    similar = torch.tensor([20.0, 10.0, 2.0])  # parallel to the global counts: cos = 1 -> alpha = 0
+    w, alpha = gigds_class_weights(similar, glob, tau=0.9)
+    assert alpha == 0.0
+    assert torch.allclose(w, 1 / (glob + 1e-6))
+
+
+def test_expert_gradients_equal_autograd():
+    torch.manual_seed(0)
+    E, C, D, n = 3, 4, 6, 20
+    feats = torch.randn(n, D)
+    labels = torch.tensor([0, 1, 3] * 6 + [0, 0])
+    W, b = torch.randn(E, C, D), torch.randn(E, C)
+    classes = torch.tensor([0, 1, 3])
+    gW, gb = gff.class_head_gradients(feats, labels, W, b, classes)
+    assert gW.shape == (3, E, C, D) and gb.shape == (3, E, C)
+    for li, c in enumerate(classes.tolist()):
+        rows = labels == c
+        for e in range(E):
+            w = W[e].clone().requires_grad_(True)
+            bb = b[e].clone().requires_grad_(True)
+            loss = torch.nn.functional.cross_entropy(feats[rows] @ w.t() + bb, labels[rows])
+            loss.backward()
+            assert torch.allclose(gW[li, e], w.grad, atol=1e-6)
+            assert torch.allclose(gb[li, e], bb.grad, atol=1e-6)
+
+
+def test_expert_counts_forward_uniform_backward():
+    counts = gff.expert_counts(gff.EXPERT_NAMES, np.array([50, 400, 10]), np.array([1, 0, 2]), m=100, lam=0.1)
+    assert counts[0].tolist() == [105, 140, 101]  # forward: m + λ·d_c
+    assert counts[1].tolist() == [100, 100, 100]
+    assert counts[2].tolist() == [105, 101, 140]  # backward: rank r gets the count of rank C−1−r
+
+
+def _synthetic(seed=0, C=4, D=16):
+    g = torch.Generator().manual_seed(seed)
+    means = torch.randn(C, D, generator=g)
+
+    def sample(counts):
+        x = torch.cat([means[c] + 1.5 * torch.randn(n, D, generator=g) for c, n in enumerate(counts)])
+        return x, torch.cat([torch.full((n,), c) for c, n in enumerate(counts)])
+    return sample
+
+
+def test_matching_loss_decreases():
+    sample = _synthetic()
+    x, y = sample([300, 100, 30, 10])
+    g = torch.Generator().manual_seed(1)
+    W, b = gff.init_heads(3, 4, 16, g)
+    gW, gb = gff.class_head_gradients(x, y, W, b, torch.arange(4))
+    banks = gff.GFFBanks.create(gff.expert_counts(gff.EXPERT_NAMES, np.array([300, 100, 30, 10]), np.arange(4), 50,
+                                                  0.5), 16, g)
+    losses = gff.match(banks, W, b, gW.permute(1, 0, 2, 3), gb.permute(1, 0, 2), torch.ones(4, dtype=torch.bool),
+                       steps=50, lr=0.1)
+    assert losses[1] < 0.5 * losses[0]
+
+
+def test_experts_specialise_the_backward_expert_wins_backward50():
+    sample = _synthetic()
+    train_counts = np.array([1000, 300, 100, 30])
+    x, y = sample(train_counts)
+    xt, yt = sample([500] * 4)
+    ranks = np.arange(4)
+    g = torch.Generator().manual_seed(0)
+    banks = gff.GFFBanks.create(gff.expert_counts(gff.EXPERT_NAMES, train_counts, ranks, 100, 1.0), 16, g)
+    W, b = gff.init_heads(3, 4, 16, g)
+    for _ in range(8):  # rounds: clients' gradients at the current experts, then match and retrain
+        gW, gb = gff.class_head_gradients(x, y, W, b, torch.arange(4))
+        gff.match(banks, W, b, gW.permute(1, 0, 2, 3), gb.permute(1, 0, 2), torch.ones(4, dtype=torch.bool), 100, 0.1)
+        W, b, _ = gff.retrain(banks, W, b, 30, 0.01, 32, g)
+    acc = {}
+    for e, name in enumerate(gff.EXPERT_NAMES):
+        p = torch.softmax(xt @ W[e].t() + b[e], -1).numpy()
+        acc[name] = evaluate_outputs(p, p.argmax(1), yt.numpy(), ranks)["test_distributions"]
+    assert acc["backward"]["backward50"]["accuracy"] > acc["uniform"]["backward50"]["accuracy"]
+    assert acc["backward"]["backward50"]["accuracy"] > acc["forward"]["backward50"]["accuracy"]
+    assert acc["forward"]["forward50"]["accuracy"] > acc["backward"]["forward50"]["accuracy"]
+
+
+def _ensemble(labels_per_expert, C=4, vote="hard", weights=None):
+    """An ensemble whose experts output fixed logits: expert e prefers labels_per_expert[e]."""
+    E = len(labels_per_expert)
+    W = torch.zeros(E, C, 1)
+    b = torch.zeros(E, C)
+    for e, lab in enumerate(labels_per_expert):
+        b[e, lab] = 2.0 + e * 0.1
+    return ExpertEnsemble(torch.nn.Identity(), W, b, ("forward", "uniform", "backward")[:E], vote, weights)
+
+
+def test_hard_vote_majority_and_ties_go_to_uniform():
+    x = torch.zeros(1, 1)
+    assert int(_ensemble([2, 2, 0])(x)["label"]) == 2  # majority
+    assert int(_ensemble([0, 3, 1])(x)["label"]) == 3  # all disagree: the uniform expert (index 1) wins
+    assert int(_ensemble([1, 0, 2])(x)["label"]) == 0
+    out = _ensemble([0, 3, 1])(x)
+    assert out["votes"].tolist() == [[1.0, 1.0, 0.0, 1.0]]
+    assert out["expert_labels"].tolist() == [[0, 3, 1]]
+    assert out["expert_probs"].shape == (1, 3, 4)
+    # weights: the backward expert weighs 2.5 and outvotes the other two
+    assert int(_ensemble([0, 0, 1], weights=(1.0, 1.0, 2.5))(x)["label"]) == 1
+
+
+def test_soft_and_confidence_votes():
+    x = torch.zeros(1, 1)
+    W = torch.zeros(3, 3, 1)
+    b = torch.tensor([[3.0, 2.9, 0.0], [0.0, 5.0, 0.0], [1.0, 0.9, 0.0]])
+    names = ("forward", "uniform", "backward")
+    # hard: votes 0, 1, 0 -> class 0; soft: mean probability favours class 1
+    assert int(ExpertEnsemble(torch.nn.Identity(), W, b, names, "hard")(x)["label"]) == 0
+    assert int(ExpertEnsemble(torch.nn.Identity(), W, b, names, "soft")(x)["label"]) == 1
+    conf = ExpertEnsemble(torch.nn.Identity(), W, b, names, "confidence")(x)
+    assert int(conf["label"]) == 1  # the confident uniform expert outweighs two unsure ones
+
+
+def _smoke(cfg, method, **kw):
+    cfg.method = method
+    cfg.simclr_steps, cfg.simclr_batch, cfg.retrain_epochs, cfg.match_steps = 2, 32, 20, 20
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@pytest.mark.slow
+def test_creff_equals_gtafl_with_parts_switched_off(tmp_path, smoke_cfg):
+    train(_smoke(smoke_cfg, "creff"), tmp_path / "creff", progress=False)
+    train(_smoke(smoke_cfg, "gtafl", en=False, cl=False, gs=False), tmp_path / "gtafl", progress=False)
+    a = load_checkpoint(tmp_path / "creff" / "final.pt")["state"]
+    b = load_checkpoint(tmp_path / "gtafl" / "final.pt")["state"]
+    for part in ("weights", "extras"):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), k
+    assert a["meta"]["experts"] == ["uniform"]
+
+
+@pytest.mark.slow
+def test_gtafl_two_rounds_end_to_end(tmp_path, smoke_cfg):
+    report = train(_smoke(smoke_cfg, "gtafl"), tmp_path / "run", progress=False)
+    assert set(report["experts"]) == {"forward", "uniform", "backward", "original_head"}
+    for dists in report["experts"].values():
+        assert len(dists) == 11
+    t = report["timing"]
+    assert t["gff_s"] > 0 and t["retrain_s"] > 0 and t["simclr_s"] > 0
+    ck = load_checkpoint(tmp_path / "run" / "final.pt")
+    st = ck["state"]
+    assert st["extras"]["expert.weight"].shape[0] == 3 and st["meta"]["experts"] == ["forward", "uniform", "backward"]
+    assert st["meta"]["vote"] == "hard"
+    hist = report["gff_history"]
+    assert len(hist) == 2 and all(h["match_after"] < h["match_before"] for h in hist)
+    # expert gradients travel up and expert heads down: more bytes than FedAvg's
+    smoke_cfg.method = "fedavg"
+    fed = train(smoke_cfg, tmp_path / "fedavg", progress=False)
+    assert report["communication"]["uplink_bytes"] > fed["communication"]["uplink_bytes"]
+    assert report["communication"]["downlink_bytes"] > fed["communication"]["downlink_bytes"]
+
+
+@pytest.mark.slow
+def test_gtafl_resume_after_kill_loses_nothing(tmp_path, smoke_cfg):
+    cfg = _smoke(smoke_cfg, "gtafl", rounds=3)
+    train(cfg, tmp_path / "full", progress=False)
+    cfg.rounds = 2
+    train(cfg, tmp_path / "part", progress=False)
+    cfg.rounds = 3
+    train(cfg, tmp_path / "part", resume=True, progress=False)
+    a = load_checkpoint(tmp_path / "full" / "final.pt")["state"]
+    b = load_checkpoint(tmp_path / "part" / "final.pt")["state"]
+    for part in ("weights", "extras"):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), k
+
+
+def _method_and_clients(cfg):
+    from tafl.training.methods.base import ClientData
+
+    prep = prepare(cfg)
+    m = make_method(cfg, prep.model_cfg, prep.dataset.preprocess)
+    m.attach_server_pool(torch.from_numpy(prep.dataset.val.images))
+    images, labels = torch.from_numpy(prep.train.images), torch.from_numpy(prep.train.labels)
+    clients = [ClientData(k, images, labels, torch.from_numpy(p), prep.dataset.num_classes)
+               for k, p in enumerate(prep.parts)]
+    state = m.init_state(prep.train_counts)
+    m.round_config(state, {c.client_id: m.client_stats(c) for c in clients}, 0)
+    return m, clients, state
+
+
+def test_nan_and_malformed_clients_are_dropped_and_the_round_completes(smoke_cfg, caplog):
+    m, clients, state = _method_and_clients(_smoke(smoke_cfg, "gtafl", cl=False))
+    rcfg = m.round_config(state, {}, 1)
+    payload = m.broadcast(state)
+    good = m.client_update(payload, clients[0], rcfg)
+    nan_w = m.client_update(payload, clients[1], rcfg)
+    nan_w.weights["head.weight"][0, 0] = float("nan")
+    inf_g = m.client_update(payload, clients[2], rcfg)
+    inf_g.extras["grad_w"][0, 0, 0, 0] = float("inf")
+    bad_shape = m.client_update(payload, clients[3], rcfg)
+    bad_shape.extras["grad_b"] = bad_shape.extras["grad_b"][:, :2]
+    with caplog.at_level(logging.WARNING):
+        new = m.server_update(state, [good, nan_w, inf_g, bad_shape], 1)
+    assert new.meta["dropped"] == [1, 2, 3]
+    for cid in (1, 2, 3):
+        assert f"dropping client {cid}" in caplog.text
+    assert all(torch.isfinite(v).all() for v in new.weights.values() if v.is_floating_point())
+    assert torch.isfinite(new.extras["expert.weight"]).all()
+
+
+def test_class_absent_from_every_client_keeps_its_bank(smoke_cfg, caplog):
+    m, clients, state = _method_and_clients(_smoke(smoke_cfg, "gtafl", cl=False))
+    rcfg = m.round_config(state, {}, 1)
+    payload = m.broadcast(state)
+    results = [m.client_update(payload, c, rcfg) for c in clients]
+    state = m.server_update(state, results, 1)
+    bank_before = state.extras["gff.features"].clone()
+    missing = 0
+    for r in results:  # pretend nobody holds class 0 this round
+        keep = r.extras["grad_classes"] != missing
+        r.extras = {"grad_classes": r.extras["grad_classes"][keep], "grad_w": r.extras["grad_w"][keep],
+                    "grad_b": r.extras["grad_b"][keep]}
+    results = [r for r in results if len(r.extras["grad_classes"])]
+    with caplog.at_level(logging.INFO):
+        state2 = m.server_update(state, results, 2)
+    assert "class(es) [0] held by no participating client" in caplog.text
+    assert torch.equal(state2.extras["gff.features"][:, 0], bank_before[:, 0])
+    assert not torch.equal(state2.extras["gff.features"][:, 1], bank_before[:, 1])
+    assert state2.meta["gff_history"][-1]["absent_classes"] == [0]
