@@ -87,9 +87,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         cfg.labels = ns.labels
     cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
     ds = load_dataset(cfg.validate())
-    report = evaluate_checkpoint(ck, ds)
+    report, outputs = evaluate_checkpoint(ck, ds)
     out = Path(ns.out) if ns.out else Path(ns.checkpoint).parent / "eval"
-    write_report(out, report)
+    write_report(out, report, outputs)
     _print_summary(report, out)
     return 0
 
@@ -105,6 +105,24 @@ def cmd_demo(ns: argparse.Namespace) -> int:
           f"{cfg.rounds} rounds, long tail IF {cfg.imbalance_factor:g}) into {out}", flush=True)
     report = train(cfg, out, force=force, progress=None if not ns.no_progress else False)
     _print_summary(report, out)
+    return 0
+
+
+def cmd_explain(ns: argparse.Namespace) -> int:
+    from tafl.training.explain import explain_checkpoint
+
+    res = explain_checkpoint(ns.checkpoint, ns.image, ns.out, ns.kind)
+    print(f"{res['class_name']} (class {res['label']}, p={res['probability']:.3f}); {res['heatmap']} written to "
+          f"{res['out']}")
+    return 0
+
+
+def cmd_compare(ns: argparse.Namespace) -> int:
+    from tafl.training.compare import write_comparison
+
+    labels = ns.labels.split(",") if ns.labels else None
+    text = write_comparison(ns.runs, Path(ns.out) if ns.out else None, Path(ns.plot) if ns.plot else None, labels)
+    print(text)
     return 0
 
 
@@ -142,6 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--labels", help="labels CSV for a folder dataset, if it moved")
     e.set_defaults(func=cmd_eval)
 
+    c = sub.add_parser("compare", help="runs side by side in the papers' table layouts, and one plot")
+    c.add_argument("runs", nargs="+", help="run folders (or report.json files)")
+    c.add_argument("--labels", help="comma-separated labels, one per run (default: method and switches)")
+    c.add_argument("--out", help="also write the tables to this Markdown file")
+    c.add_argument("--plot", default="compare.png", help="plot file (default compare.png; '' for none)")
+    c.set_defaults(func=cmd_compare)
+
+    x = sub.add_parser("explain", help="heatmap of one image under a saved model, as an overlay PNG")
+    x.add_argument("checkpoint")
+    x.add_argument("image")
+    x.add_argument("--out", default="overlay.png")
+    x.add_argument("--kind", choices=("rollout", "grad"), default="rollout",
+                   help="ViT: attention rollout or gradient-weighted rollout (CNNs get a class activation map)")
+    x.set_defaults(func=cmd_explain)
+
     d = sub.add_parser("demo", help="train and evaluate on the embedded digits data")
     d.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")
     d.add_argument("--no-progress", action="store_true")
@@ -160,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     except TaflError as exc:
         print(f"tafl: error: {exc.message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("tafl: interrupted; a training run continues with `tafl train --out DIR --resume`", file=sys.stderr)
         return 130

@@ -45,6 +45,8 @@ def check_results(reference: Tensors, results: Sequence["ClientResult"],
         why = problem_with(reference, r.weights, "model update")
         if why is None and r.num_samples <= 0:
             why = f"reports {r.num_samples} samples"
+        if why is None and r.metrics.get("steps") == 0:
+            why = "no local step had a finite loss"
         if why is None and extra_check is not None:
             why = extra_check(r)
         if why is not None:

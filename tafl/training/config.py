@@ -54,6 +54,7 @@ class RunConfig:
     lr: float = 0.1  # local SGD learning rate
     momentum: float = 0.0  # local SGD momentum
     weight_decay: float = 0.0  # local SGD weight decay
+    optimizer: str = "sgd"  # local optimizer: sgd | adam (DAFL's paper uses Adam, lr 1e-4)
     mu: float = 0.01  # FedProx proximal coefficient
     augment: bool = True  # random crop (pad 1/8 of the side) and horizontal flip during local training
     # --- GTAFL / CReFF (DESIGN.md §4); the four ablation switches are Table IV's CR, EN, CL, GS ---
@@ -79,6 +80,13 @@ class RunConfig:
     simclr_batch: int = 128  # images per SimCLR step (two views each)
     simclr_tau: float = 0.5  # NT-Xent temperature
     simclr_proj_dim: int = 128  # projection head output size
+    # --- ViT-DAFL (DESIGN.md §5) ---
+    loss: str = "dafl"  # dafl | focal | ce (the loss ablation)
+    gamma_init: float = 2.0  # focusing parameter γ at the start (learnable for dafl unless gamma_fixed)
+    gamma_fixed: bool = False  # keep γ at gamma_init instead of learning it
+    gamma_max: float = 5.0  # learnable γ is clamped to [0, gamma_max] (unclamped it grows without bound)
+    dafl_lambda: float = 0.5  # λ in c_{f,t} = λ·c_k + (1 − λ)·c_{f,t}
+    aggregation: str = "imbalance"  # imbalance: ω_k ∝ 1/(c_k + ε); size: FedAvg's sample-count weights
     # --- model ---
     backbone: str = "resnet8"  # resnet8, vit_tafl_tiny, or any timm ViT name
     width: float = 1.0  # resnet8 width multiplier: 1.0 = the paper's 64-128-256 channels
@@ -176,6 +184,16 @@ class RunConfig:
                 raise bad(key, "must be > 0")
         if not 0 <= self.gs_tau <= 1:
             raise bad("gs_tau", "must be in [0, 1]")
+        if self.optimizer not in ("sgd", "adam"):
+            raise bad("optimizer", "choose sgd or adam")
+        if self.loss not in ("dafl", "focal", "ce"):
+            raise bad("loss", "choose dafl, focal or ce")
+        if self.aggregation not in ("imbalance", "size"):
+            raise bad("aggregation", "choose imbalance or size")
+        if not 0 <= self.dafl_lambda <= 1:
+            raise bad("dafl_lambda", "must be in [0, 1]")
+        if not 0 <= self.gamma_init <= self.gamma_max:
+            raise bad("gamma_init", f"must be in [0, gamma_max={self.gamma_max}]")
         if self.device not in ("cpu", "cuda", "auto"):
             raise bad("device", "choose cpu, cuda or auto")
         if self.dataset == "folder" and (not self.data_root or not self.labels):

@@ -89,6 +89,7 @@ def evaluate_outputs(probs: np.ndarray, preds: np.ndarray, labels: np.ndarray, r
         "average_sampled_accuracy": float(np.mean([d["sampled_accuracy"] for d in dists.values()
                                                    if d["sampled_accuracy"] is not None] or [math.nan])),
         "uniform_metrics": uniform_metrics(probs, preds, labels, num_classes),
+        "natural_metrics": natural_metrics(probs, preds, labels, num_classes),
         "per_class_accuracy": [None if math.isnan(a) else float(a) for a in acc],
         "groups": {k: [int(c) for c in v] for k, v in groups.items()},
         "test_class_counts": [int(c) for c in test_counts],
@@ -105,10 +106,22 @@ def confusion(preds: np.ndarray, labels: np.ndarray, num_classes: int, weights: 
 
 def uniform_metrics(probs: np.ndarray, preds: np.ndarray, labels: np.ndarray, num_classes: int) -> dict[str, Any]:
     """Macro metrics under the uniform prior: every sample weighted by 1/(C·n_c)."""
+    counts = np.bincount(labels, minlength=num_classes).astype(np.float64)
+    return class_metrics(probs, preds, labels, num_classes, 1.0 / (num_classes * counts.clip(1)[labels]))
+
+
+def natural_metrics(probs: np.ndarray, preds: np.ndarray, labels: np.ndarray, num_classes: int) -> dict[str, Any]:
+    """The paper-style metrics on the test split as it comes (its own class mix), plus plain accuracy."""
+    m = class_metrics(probs, preds, labels, num_classes, np.ones(len(labels)))
+    return {"accuracy": float((preds == labels).mean()), **m}
+
+
+def class_metrics(probs: np.ndarray, preds: np.ndarray, labels: np.ndarray, num_classes: int,
+                  w: np.ndarray) -> dict[str, Any]:
+    """Macro F1, precision, recall, specificity and one-vs-rest AUC with sample weights w."""
     from sklearn.metrics import precision_recall_fscore_support, roc_auc_score
 
     counts = np.bincount(labels, minlength=num_classes).astype(np.float64)
-    w = 1.0 / (num_classes * counts[labels])
     cls = np.arange(num_classes)
     prec, rec, f1, _ = precision_recall_fscore_support(labels, preds, labels=cls, sample_weight=w,
                                                        average=None, zero_division=0)

@@ -46,11 +46,15 @@ def local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
               momentum: float, weight_decay: float, gen: torch.Generator, augment: bool,
               sample_weights: torch.Tensor | None = None, prox_mu: float = 0.0,
               prox_ref: dict[str, torch.Tensor] | None = None, loss_fn: LossFn | None = None,
-              extra_params: list[torch.Tensor] | None = None) -> dict[str, float]:
+              extra_params: list[torch.Tensor] | None = None, optimizer: str = "sgd",
+              after_step: Callable[[], None] | None = None) -> dict[str, float]:
     """Train `model` in place on (images uint8 (n,H,W,C), labels (n,)); returns mean loss and step count."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad] + list(extra_params or [])
-    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if optimizer == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    else:
+        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     loss_fn = loss_fn or F.cross_entropy
     ref = None
     if prox_mu > 0 and prox_ref is not None:
@@ -76,6 +80,8 @@ def local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if after_step is not None:
+                after_step()  # e.g. clamp a learnable loss parameter
             total += float(loss.detach())
             steps += 1
     return {"loss": total / steps if steps else math.nan, "steps": float(steps), "nonfinite_steps": float(nonfinite)}

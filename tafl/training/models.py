@@ -131,9 +131,13 @@ def _build_vit(cfg: ModelConfig, pretrained: bool) -> nn.Module:
     except (AssertionError, ValueError, TypeError) as exc:
         raise ConfigError(f"cannot build timm model '{cfg.backbone}' at img_size {cfg.img_size} "
                           f"(patch {patch}): {exc}") from exc
+    from tafl.training.explain import install_taps
+
     for blk in getattr(model, "blocks", []):
         if hasattr(blk, "attn") and hasattr(blk.attn, "fused_attn"):
             blk.attn.fused_attn = False  # attention probabilities must be observable for rollout
+    if hasattr(model, "blocks"):
+        install_taps(model)
     return model
 
 

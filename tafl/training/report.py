@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tafl.training.longtail import DISTRIBUTION_NAMES
 
 SHORT = {"forward50": "F50", "forward25": "F25", "forward10": "F10", "forward5": "F5", "forward2": "F2",
@@ -31,11 +33,64 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
+def write_report(out: Path, report: dict[str, Any], outputs: dict[str, Any] | None = None) -> None:
+    """report.json, report.md, accuracy.png; with test outputs also confusion.png and roc.png."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "report.json", report)
     (out / "report.md").write_text(render_markdown(report))
     plot_accuracy(out / "accuracy.png", {report.get("label") or report["method"]: report})
+    if outputs is not None:
+        names = report.get("class_names") or [str(i) for i in range(outputs["probs"].shape[1])]
+        plot_confusion(out / "confusion.png", np.asarray(report["confusion_matrix"]), names)
+        plot_roc(out / "roc.png", outputs["probs"], outputs["labels"], names)
+
+
+def plot_confusion(path: Path, cm: np.ndarray, names: list[str]) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(names), 1.0 + 0.7 * len(names)))
+    rows = cm / np.clip(cm.sum(1, keepdims=True), 1, None)
+    ax.imshow(rows, cmap="Blues", vmin=0, vmax=1)
+    for i in range(len(names)):
+        for j in range(len(names)):
+            ax.text(j, i, str(int(cm[i, j])), ha="center", va="center",
+                    color="white" if rows[i, j] > 0.5 else "black", fontsize=8)
+    short = [n if len(n) <= 14 else n[:13] + "…" for n in names]
+    ax.set_xticks(range(len(names)), short, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(len(names)), short, fontsize=8)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true (test split; colour = row share)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_roc(path: Path, probs: np.ndarray, labels: np.ndarray, names: list[str]) -> None:
+    from sklearn.metrics import auc, roc_curve
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for c, name in enumerate(names):
+        if not (labels == c).any() or (labels == c).all():
+            continue
+        fpr, tpr, _ = roc_curve(labels == c, probs[:, c])
+        ax.plot(fpr, tpr, label=f"{name[:24]} (AUC {auc(fpr, tpr):.2f})")
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel("true positive rate")
+    ax.set_title("one-vs-rest ROC per class (test split)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def distribution_table(rows: dict[str, dict[str, Any]], key: str = "accuracy") -> list[str]:
@@ -67,10 +122,14 @@ def render_markdown(r: dict[str, Any]) -> str:
         lines += ["", "## Experts (prior-weighted accuracy, %)", ""]
         lines += distribution_table({name: {"test_distributions": e} for name, e in r["experts"].items()})
     m = r["uniform_metrics"]
-    lines += ["", "## Uniform-prior metrics (%)", "", "| macro F1 | precision | recall | specificity | AUC |",
-              "|---|---|---|---|---|",
-              f"| {pct(m['macro_f1'])} | {pct(m['precision'])} | {pct(m['recall'])} | {pct(m['specificity'])} | "
-              f"{pct(m['auc'])} |"]
+    lines += ["", "## Metrics (%)", "", "| test mix | accuracy | macro F1 | precision | recall | specificity | AUC |",
+              "|---|---|---|---|---|---|---|",
+              f"| uniform prior | {pct(r['test_distributions']['uniform']['accuracy'])} | {pct(m['macro_f1'])} | "
+              f"{pct(m['precision'])} | {pct(m['recall'])} | {pct(m['specificity'])} | {pct(m['auc'])} |"]
+    nm = r.get("natural_metrics")
+    if nm:
+        lines.append(f"| the test split as it comes | {pct(nm['accuracy'])} | {pct(nm['macro_f1'])} | "
+                     f"{pct(nm['precision'])} | {pct(nm['recall'])} | {pct(nm['specificity'])} | {pct(nm['auc'])} |")
     names = r.get("class_names", [])
     if names:
         lines += ["", "## Per class", "", "| class | train rank | train count | test count | accuracy | recall (uniform) |",
@@ -101,11 +160,7 @@ def _f(v: float | None) -> str:
 
 
 def plot_accuracy(path: Path, reports: dict[str, dict[str, Any]], key: str = "accuracy") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     x = list(range(len(DISTRIBUTION_NAMES)))
     for label, rep in reports.items():

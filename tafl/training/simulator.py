@@ -202,9 +202,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")
-    report = evaluate_checkpoint(final, ds, method=method)
+    report, outputs = evaluate_checkpoint(final, ds, method=method)
     report.update(selected_round=kept_round, selection=cfg.select, rounds_run=cfg.rounds)
-    write_report(out, report)
+    write_report(out, report, outputs)
     log.info("mean prior-weighted accuracy over the eleven distributions: %s (backward50 %s, forward50 %s)",
              _pct(report["average_accuracy"]), _pct(report["test_distributions"]["backward50"]["accuracy"]),
              _pct(report["test_distributions"]["forward50"]["accuracy"]))
@@ -280,8 +280,10 @@ def _common_fields(cfg: RunConfig, prep: Prepared) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ evaluation of a checkpoint
-def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset, method: Method | None = None) -> dict[str, Any]:
-    """The report of a checkpoint on the dataset's test split (and its validation split)."""
+def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
+                        method: Method | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The report of a checkpoint on the dataset's test split (and its validation split), and the
+    test outputs (probabilities, predictions, true labels) for the plots."""
     cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
     model_cfg = ModelConfig.from_dict(ck["model_config"])
     if list(ds.class_names) != list(ck["class_names"]):
@@ -306,9 +308,12 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset, method: Method | None =
                               "client_class_counts": ck.get("client_class_counts")}
     report.update(evaluate_outputs(out["probs"], out["label"], ds.test.labels, ranks, cfg.test_seed))
     report.update(method.extra_report(state, out, ds.test, ranks))
-    val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=("label",))["label"]
-    report["validation"] = {"accuracy": float((val == ds.val.labels).mean()),
-                            "balanced_accuracy": balanced_accuracy(val, ds.val.labels, len(ds.class_names))}
+    val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=("probs", "label"))
+    val_ev = evaluate_outputs(val["probs"], val["label"], ds.val.labels, ranks, cfg.test_seed)
+    report["validation"] = {"accuracy": float((val["label"] == ds.val.labels).mean()),
+                            "balanced_accuracy": balanced_accuracy(val["label"], ds.val.labels, len(ds.class_names)),
+                            "average_accuracy": val_ev["average_accuracy"],
+                            "accuracy": {k: d["accuracy"] for k, d in val_ev["test_distributions"].items()}}
     book = ck.get("book", {})
     report["timing"] = dict(book.get("timing", {}), test_eval_s=time.perf_counter() - t0)
     report["communication"] = dict(book.get("communication", {}))
@@ -316,4 +321,4 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset, method: Method | None =
     report["data_provenance"] = ck.get("data_provenance", {})
     report["selected_round"] = ck["round"]
     report["tafl_version"] = tafl.__version__
-    return report
+    return report, {"probs": out["probs"], "label": out["label"], "labels": ds.test.labels}

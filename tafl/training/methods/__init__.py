@@ -5,9 +5,11 @@ from __future__ import annotations
 from tafl.errors import ConfigError
 from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method
 from tafl.training.methods.fedavg import FedAvg, FedProx
+from tafl.training.methods.dafl import DAFL
 from tafl.training.methods.gtafl import GTAFL, CReFF
 
-METHODS: dict[str, type[Method]] = {"fedavg": FedAvg, "fedprox": FedProx, "creff": CReFF, "gtafl": GTAFL}
+METHODS: dict[str, type[Method]] = {"fedavg": FedAvg, "fedprox": FedProx, "creff": CReFF, "gtafl": GTAFL,
+                                   "dafl": DAFL}
 
 
 def method_class(name: str) -> type[Method]:

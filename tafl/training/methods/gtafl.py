@@ -112,7 +112,7 @@ class GTAFL(Method):
         metrics.update(local_sgd(self.model, images, labels, normalize=self.normalize, epochs=cfg.local_epochs,
                                  batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
                                  weight_decay=cfg.weight_decay, gen=gen, augment=cfg.augment,
-                                 sample_weights=weights))
+                                 sample_weights=weights, optimizer=cfg.optimizer))
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return ClientResult(data.client_id, len(data), state, extras, metrics)
 

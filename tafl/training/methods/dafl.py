@@ -1,0 +1,155 @@
+"""ViT-DAFL (DESIGN.md §5): dynamic adaptive focal loss and imbalance-aware aggregation.
+
+Client k sends its class counts and c_k = mean_i (N_k − n_{k,i}) / max(n_{k,i}, 1) (the guard
+keeps a missing class from weighing 10⁶). The server computes, from the round's participants,
+c_{f,i} = (Σ_k N_k − Σ_k n_{k,i}) / max(Σ_k n_{k,i}, 1) and broadcasts it. Local loss per sample
+of class t: −(1 + c_{f,t})·(1 − p_t)^γ·log p_t with c_{f,t} = λ·c_k + (1 − λ)·c_{f,t}; γ is
+learnable from 2.0, clamped to [0, γ_max], and averaged with the model. Aggregation weights
+ω_k ∝ 1/(c_k + ε), normalised over the round's clients (`aggregation: size` gives FedAvg's).
+`loss: focal` (c = 0, γ fixed) and `loss: ce` are the ablation options.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tafl.training.aggregate import check_results, weighted_average
+from tafl.training.local import local_sgd
+from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method, Tensors
+
+log = logging.getLogger(__name__)
+EPS = 1e-6
+
+
+def client_imbalance(counts: torch.Tensor) -> float:
+    """c_k = mean over classes of (N_k − n_{k,i}) / max(n_{k,i}, 1)."""
+    n = counts.to(torch.float64)
+    return float(((n.sum() - n) / n.clamp_min(1)).mean())
+
+
+def class_imbalance(counts: torch.Tensor) -> torch.Tensor:
+    """c_{f,i} = (Σ N_k − Σ n_{k,i}) / max(Σ n_{k,i}, 1) from a (K, C) count matrix."""
+    n = counts.to(torch.float64).sum(0)
+    return ((n.sum() - n) / n.clamp_min(1)).to(torch.float32)
+
+
+def aggregation_weights(c_k: list[float]) -> list[float]:
+    """ω_k = (1/(c_k + ε)) / Σ_j 1/(c_j + ε)."""
+    w = [1.0 / (c + EPS) for c in c_k]
+    total = sum(w)
+    return [x / total for x in w]
+
+
+class DAFLLoss(nn.Module):
+    """−(1 + c_t)·(1 − p_t)^γ·log p_t, averaged over the batch."""
+
+    def __init__(self, coef: torch.Tensor, gamma: float, learnable: bool, gamma_max: float = 5.0):
+        super().__init__()
+        self.register_buffer("coef", coef.to(torch.float32))  # (C,) the c_{f,t} per class
+        self.gamma = nn.Parameter(torch.tensor(float(gamma)), requires_grad=learnable)
+        self.gamma_max = gamma_max
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logp = F.log_softmax(logits, dim=1).gather(1, y[:, None]).squeeze(1)  # (B,)
+        # the base is kept off 0 so ∂/∂γ of 0^γ·log 0 stays finite for confident samples
+        focal = (1 - logp.exp()).clamp_min(1e-12) ** self.gamma
+        return -((1 + self.coef[y]) * focal * logp).mean()
+
+    @torch.no_grad()
+    def clamp_(self) -> None:
+        self.gamma.clamp_(0.0, self.gamma_max)
+
+
+class DAFL(Method):
+    name = "dafl"
+
+    def init_state(self, train_counts: np.ndarray) -> GlobalState:
+        state = super().init_state(train_counts)
+        state.extras["dafl.gamma"] = torch.tensor([self.cfg.gamma_init if self.cfg.loss != "ce" else 0.0])
+        state.meta.update(loss=self.cfg.loss, aggregation=self.cfg.aggregation, gamma_history=[])
+        return state
+
+    def client_stats(self, data: ClientData) -> Tensors:
+        counts = data.class_counts()
+        return {"class_counts": counts.to(torch.float32),
+                "c_k": torch.tensor([client_imbalance(counts)], dtype=torch.float32)}
+
+    def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> dict[str, Any]:
+        self.record_counts(state, stats)
+        good = [s["class_counts"] for s in stats.values()
+                if s.get("class_counts") is not None and bool(torch.isfinite(s["class_counts"]).all())]
+        c_f = class_imbalance(torch.stack(good)) if good else torch.zeros(self.model_cfg.num_classes)
+        return {"round": round_, "seed": self.cfg.seed, "c_f": [float(v) for v in c_f.tolist()]}
+
+    def broadcast(self, state: GlobalState) -> Tensors:
+        return {**state.weights, "dafl.gamma": state.extras["dafl.gamma"]}
+
+    def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+        cfg = self.cfg
+        self.model.load_state_dict({k: v for k, v in payload.items() if k != "dafl.gamma"})
+        counts = data.class_counts()
+        c_k = client_imbalance(counts)
+        if int((counts > 0).sum()) == 1:
+            log.info("client %d holds a single class; its focal loss sees no negatives", data.client_id)
+        loss_fn: nn.Module | None = None
+        extra: list[torch.Tensor] = []
+        gamma = float(payload["dafl.gamma"].reshape(-1)[0])
+        if cfg.loss != "ce":
+            if cfg.loss == "dafl":
+                coef = cfg.dafl_lambda * c_k + (1 - cfg.dafl_lambda) * torch.tensor(round_cfg["c_f"])
+                learn = not cfg.gamma_fixed
+            else:  # plain focal loss: no imbalance coefficient, γ fixed
+                coef, learn = torch.zeros(self.model_cfg.num_classes), False
+            loss_fn = DAFLLoss(coef, min(max(gamma, 0.0), cfg.gamma_max), learn, cfg.gamma_max).to(self.device)
+            extra = [loss_fn.gamma] if learn else []
+        metrics = local_sgd(self.model, data.images[data.indices], data.local_labels, normalize=self.normalize,
+                            epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+                            weight_decay=cfg.weight_decay, gen=self.generator(round_cfg["round"], data.client_id),
+                            augment=cfg.augment, loss_fn=loss_fn, extra_params=extra, optimizer=cfg.optimizer,
+                            after_step=loss_fn.clamp_ if extra else None)
+        if metrics["nonfinite_steps"]:
+            log.warning("client %d: %d local step(s) had a non-finite loss and were skipped", data.client_id,
+                        int(metrics["nonfinite_steps"]))
+        g = float(loss_fn.gamma.detach()) if loss_fn is not None else 0.0
+        weights = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        extras = {"c_k": torch.tensor([c_k], dtype=torch.float32), "gamma": torch.tensor([g], dtype=torch.float32)}
+        return ClientResult(data.client_id, len(data), weights, extras, dict(metrics, c_k=c_k, gamma=g))
+
+    def _extras_problem(self, r: ClientResult) -> str | None:
+        for key in ("c_k", "gamma"):
+            t = r.extras.get(key)
+            if t is None or t.numel() != 1 or not bool(torch.isfinite(t).all()):
+                return f"'{key}' is missing or not a finite number"
+        if float(r.extras["c_k"]) < 0:
+            return "c_k is negative"
+        return None
+
+    def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
+        good = check_results(state.weights, results, extra_check=self._extras_problem)
+        meta = dict(state.meta, round=round_, dropped=[r.client_id for r in results if r not in good])
+        if not good:
+            log.warning("round %d: no usable client update; the global model is unchanged", round_)
+            return GlobalState(state.weights, state.extras, meta)
+        if self.cfg.aggregation == "imbalance":
+            omega = aggregation_weights([float(r.extras["c_k"]) for r in good])
+        else:
+            total = sum(r.num_samples for r in good)
+            omega = [r.num_samples / total for r in good]
+        weights = weighted_average([r.weights for r in good], omega)
+        gamma = sum(w * float(r.extras["gamma"]) for w, r in zip(omega, good))
+        gamma = min(max(gamma, 0.0), self.cfg.gamma_max)
+        extras = dict(state.extras, **{"dafl.gamma": torch.tensor([gamma], dtype=torch.float32)})
+        meta["aggregation_weights"] = {str(r.client_id): w for r, w in zip(good, omega)}
+        meta["gamma_history"] = list(meta.get("gamma_history", [])) + [gamma]
+        return GlobalState(weights, extras, meta)
+
+    def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
+        return {"loss": self.cfg.loss, "aggregation": self.cfg.aggregation,
+                "gamma": float(state.extras["dafl.gamma"].reshape(-1)[0]),
+                "gamma_history": state.meta.get("gamma_history", [])}
