@@ -117,6 +117,36 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    from tafl.packaging.export import export_checkpoint
+
+    pkg = export_checkpoint(ns.checkpoint, ns.out, name=ns.name, parent=ns.parent, images=ns.images,
+                            data_root=ns.data_root, force=ns.force, to_bentoml=ns.to_bentoml)
+    v = pkg.metadata["verification"]
+    print(f"{pkg.name} {pkg.version} -> {pkg.path} (parent {pkg.metadata['parent_version'] or 'none'}); "
+          f"ONNX Runtime vs PyTorch: max |dprob| {v['max_abs_prob_diff']:.1e}, max |dheatmap| "
+          f"{v['max_abs_heatmap_diff']:.1e}")
+    if ns.to_bentoml:
+        print(f"stored in the BentoML model store as {ns.to_bentoml}:{pkg.version.replace('.', '_')}")
+    return 0
+
+
+def cmd_packages_list(ns: argparse.Namespace) -> int:
+    from tafl.packaging.package import list_packages
+    from tafl.training.report import pct
+
+    rows = list_packages(ns.dir)
+    if not rows:
+        print(f"no model packages under {ns.dir}")
+        return 1
+    print(f"{'name':24} {'version':8} {'parent':8} {'method':7} {'avg':>6} {'F50':>6} {'B50':>6}  {'created':25} status")
+    for r in sorted(rows, key=lambda r: (str(r.get("name")), str(r.get("version")))):
+        print(f"{str(r.get('name'))[:24]:24} {str(r.get('version')):8} {str(r.get('parent_version') or '-'):8} "
+              f"{str(r.get('method')):7} {pct(r.get('average_accuracy')):>6} {pct(r.get('forward50')):>6} "
+              f"{pct(r.get('backward50')):>6}  {str(r.get('created')):25} {r['status']}  {r['path']}")
+    return 0
+
+
 def cmd_compare(ns: argparse.Namespace) -> int:
     from tafl.training.compare import write_comparison
 
@@ -174,6 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--kind", choices=("rollout", "grad"), default="rollout",
                    help="ViT: attention rollout or gradient-weighted rollout (CNNs get a class activation map)")
     x.set_defaults(func=cmd_explain)
+
+    xp = sub.add_parser("export", help="checkpoint -> verified ONNX model package (and the BentoML store)")
+    xp.add_argument("checkpoint")
+    xp.add_argument("--out", required=True, help="package folder")
+    xp.add_argument("--name", help="package name (default METHOD-DATASET, or the parent's name)")
+    xp.add_argument("--parent", help="the package this checkpoint was retrained from: bumps its version")
+    xp.add_argument("--images", help="folder of PNG/JPEG images to verify the graph on (default: the run's data)")
+    xp.add_argument("--data-root", help="where the run's dataset lies now, for the verification images")
+    xp.add_argument("--force", action="store_true", help="replace an existing package in --out")
+    xp.add_argument("--to-bentoml", metavar="NAME", help="also store the package in the BentoML model store")
+    xp.set_defaults(func=cmd_export)
+
+    pk = sub.add_parser("packages", help="model packages: list versions, metrics and lineage")
+    pks = pk.add_subparsers(dest="packages_verb", required=True, metavar="ACTION")
+    pl = pks.add_parser("list", help="every package under DIR")
+    pl.add_argument("dir")
+    pl.set_defaults(func=cmd_packages_list)
 
     d = sub.add_parser("demo", help="train and evaluate on the embedded digits data")
     d.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")

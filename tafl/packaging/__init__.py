@@ -1,5 +1,7 @@
-"""Packaging: the preprocessing spec shared by training and serving, ONNX model packages."""
+"""Packaging: ONNX model packages (graph, metadata, model card, checksums) and the preprocessing
+spec that training, export and serving share. The loader needs no torch; export does."""
 
+from tafl.packaging.package import ModelPackage, list_packages, load_package
 from tafl.packaging.preprocess import Preprocess
 
-__all__ = ["Preprocess"]
+__all__ = ["ModelPackage", "Preprocess", "list_packages", "load_package"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 VOTES = ("hard", "soft", "confidence")
 
@@ -41,11 +40,14 @@ class ExpertEnsemble(nn.Module):
         return torch.einsum("bd,ecd->bec", feats, self.W) + self.b[None]  # (B, E, C)
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        feats = self.extractor(x)  # (B, D)
+        return self.vote_on(self.extractor(x))
+
+    def vote_on(self, feats: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The experts and the vote on features (B, D); every step is an ONNX operator."""
         probs = torch.softmax(self.expert_logits(feats), dim=-1)  # (B, E, C)
         labels = probs.argmax(dim=-1)  # (B, E)
-        num_classes = probs.shape[-1]
-        onehot = F.one_hot(labels, num_classes).to(probs.dtype)  # (B, E, C)
+        classes = torch.arange(probs.shape[-1], device=probs.device)
+        onehot = (labels.unsqueeze(-1) == classes).to(probs.dtype)  # (B, E, C)
         w = self.vote_weights[None, :, None]
         if self.vote == "soft":
             votes = (probs * w).sum(1) / self.vote_weights.sum()

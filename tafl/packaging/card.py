@@ -1,0 +1,66 @@
+"""The model card (README.md of a package), generated from metadata.json alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ORDER = ("forward50", "forward25", "forward10", "forward5", "forward2", "uniform", "backward2", "backward5",
+         "backward10", "backward25", "backward50")
+
+
+def _pct(v: Any) -> str:
+    return "—" if v is None else f"{100 * v:.1f}%"
+
+
+def render_card(m: dict[str, Any]) -> str:
+    cfg = m["training"]["run_config"]
+    lines = [f"# {m['name']} {m['version']}", "",
+             f"{m['task'].capitalize()} by **{m['method']}** on a **{m['backbone']}** backbone, exported "
+             f"{m['created']} by tafl {m.get('tafl_version', '?')}.", ""]
+    if m.get("parent_version"):
+        lines += [f"Retrained from {m['parent'].get('name') if m.get('parent') else m['name']} "
+                  f"{m['parent_version']}.", ""]
+    lines += ["## Intended use", "", m["intended_use"], "", "## Classes", "",
+              "| index | class | training images |", "|---|---|---|"]
+    counts = m["training"].get("train_class_counts") or [None] * len(m["class_names"])
+    for i, (c, n) in enumerate(zip(m["class_names"], counts)):
+        lines.append(f"| {i} | {c} | {n if n is not None else '—'} |")
+    pre = m["input"]["preprocess"]
+    lines += ["", "## Input", "", f"`{m['input']['name']}`: float32 {m['input']['shape']}; "
+              f"{m['input']['preprocessing']} (size {pre['size']}, {pre['channels']} channel(s), mean "
+              f"{[round(v, 4) for v in pre['mean']]}, std {[round(v, 4) for v in pre['std']]}).", "",
+              "## Outputs", "", "| name | shape | type | meaning |", "|---|---|---|---|"]
+    for o in m["outputs"]:
+        lines.append(f"| `{o['name']}` | {o['shape']} | {o['dtype']} | {o['description']} |")
+    if m["experts"]:
+        lines += ["", "## Experts and vote", "",
+                  "Experts, in output order: " + ", ".join(f"{e['name']} (weight {e['weight']:g})" for e in m["experts"])
+                  + f". Rule: {m['vote']['rule']}; {m['vote']['tie_break']}."]
+    lines += ["", f"Heatmap: {m['heatmap']}.", "", "## Metrics", ""]
+    met = m.get("metrics")
+    if met:
+        lines += [f"{met['source']}. Mean over the eleven test distributions: **{_pct(met['average_accuracy'])}**.", "",
+                  "| " + " | ".join(ORDER) + " |", "|" + "---|" * len(ORDER),
+                  "| " + " | ".join(_pct(met["accuracy"].get(k)) for k in ORDER) + " |"]
+        um = met.get("uniform_metrics") or {}
+        if um:
+            lines += ["", f"Under a uniform class prior: macro F1 {_pct(um.get('macro_f1'))}, precision "
+                          f"{_pct(um.get('precision'))}, recall {_pct(um.get('recall'))}, specificity "
+                          f"{_pct(um.get('specificity'))}, AUC {_pct(um.get('auc'))}."]
+    else:
+        lines.append("Not recorded (no evaluation report beside the checkpoint at export).")
+    lines += ["", "## Limitations", ""] + [f"- {x}" for x in m["limitations"]]
+    prov = m["data_provenance"]
+    lines += ["", "## Training and provenance", "",
+              f"- method {m['method']}, {cfg['clients']} clients, {cfg['frac']:.0%} per round, {cfg['rounds']} rounds, "
+              f"{cfg['local_epochs']} local epochs, seed {cfg['seed']}, model from round {m['training']['round']}",
+              f"- data: {prov.get('source', cfg['dataset'])}; training index sha256 "
+              f"`{prov.get('training_index_sha256', '?')}`"]
+    v = m.get("verification") or {}
+    if v:
+        lines += [f"- verified: {v.get('checker')}; ONNX Runtime {v.get('onnxruntime')} vs PyTorch at batch sizes "
+                  f"{v.get('batch_sizes')}: max |Δprob| {v.get('max_abs_prob_diff', 0):.1e}, max |Δheatmap| "
+                  f"{v.get('max_abs_heatmap_diff', 0):.1e}"]
+    lines += ["", "Files and their sha256 are listed in `SHA256SUMS`; `tafl.packaging.load_package` refuses a "
+                  "package whose files do not match."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,326 @@
+"""`tafl export`: a training checkpoint becomes a verified ONNX model package (DESIGN.md §6).
+
+Graphs take a normalised float batch `image` (N, C, H, W) with a dynamic batch size; resizing
+and normalising stay outside the graph and are recorded in metadata.json (the shared
+`Preprocess`). GTAFL/CReFF graph outputs: `label` (voted class), `probs` (mean of the experts'),
+`expert_labels`, `expert_probs`, `votes` and `heatmap`; the vote, its weights and the tie rule
+are ONNX operators. Single-head graphs (ViT-DAFL, FedAvg, FedProx): `label`, `probs`, `logits`,
+`heatmap`. The heatmap is the attention rollout when the extractor is a ViT and the class
+activation map of the predicted class when it is a CNN, computed inside the graph.
+Every export is checked with `onnx.checker` (full check) and against PyTorch eager in ONNX
+Runtime on real images at batch sizes 1 and 16; a mismatch fails the export.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import tafl
+from tafl.errors import PackageError
+from tafl.packaging.card import render_card
+from tafl.packaging.package import (SCHEMA, ModelPackage, bump_minor, load_package, sha256_file, write_checksums)
+from tafl.packaging.preprocess import Preprocess
+from tafl.training.ensemble import ExpertEnsemble
+from tafl.training.explain import _to_image, install_taps, rollout_from, vit_grid
+from tafl.training.models import Classifier, ModelConfig, build_model
+
+log = logging.getLogger(__name__)
+
+PROB_TOL, HEAT_TOL = 1e-4, 1e-3
+OPSET = 17
+
+
+class _Features(nn.Module):
+    """Shared extractor pass that also yields what the heatmap needs (CNN maps or ViT attention)."""
+
+    def __init__(self, model: Classifier, is_vit: bool, size: int):
+        super().__init__()
+        self.extractor = model.extractor
+        self.is_vit = is_vit
+        self.size = (size, size)  # the input side is fixed by the model; only the batch is dynamic
+        self.taps = install_taps(model.extractor) if is_vit else []
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if self.is_vit:
+            for t in self.taps:
+                t.maps, t.record = [], True
+            feats = self.extractor(x)
+            attns = [t.maps[-1] for t in self.taps]
+            for t in self.taps:
+                t.maps, t.record = [], False
+            return feats, attns
+        maps = self.extractor.forward_maps(x)  # (B, D, h, w)
+        return maps.mean(dim=(2, 3)), maps
+
+    def heatmap(self, x: torch.Tensor, aux: Any, class_weight: torch.Tensor) -> torch.Tensor:
+        """(B, H, W) in [0, 1]: rollout (ViT) or CAM with per-sample class weights (B, D) (CNN)."""
+        size = self.size
+        if self.is_vit:
+            return rollout_from(aux, int(self.extractor.num_prefix_tokens), vit_grid(self.extractor), size)
+        cam = torch.relu((class_weight[:, :, None, None] * aux).sum(dim=1))[:, None]
+        return _to_image(cam, size)
+
+
+class EnsembleGraph(nn.Module):
+    outputs = ("label", "probs", "expert_labels", "expert_probs", "votes", "heatmap")
+
+    def __init__(self, model: Classifier, ensemble: ExpertEnsemble, is_vit: bool, size: int):
+        super().__init__()
+        self.feats = _Features(model, is_vit, size)
+        self.ensemble = ensemble
+
+    def forward(self, image: torch.Tensor):
+        feats, aux = self.feats(image)
+        out = self.ensemble.vote_on(feats)
+        w = self.ensemble.W.mean(dim=0)[out["label"]]  # (B, D): the experts' mean row of the voted class
+        heat = self.feats.heatmap(image, aux, w)
+        return out["label"], out["probs"], out["expert_labels"], out["expert_probs"], out["votes"], heat
+
+
+class SingleHeadGraph(nn.Module):
+    outputs = ("label", "probs", "logits", "heatmap")
+
+    def __init__(self, model: Classifier, is_vit: bool, size: int):
+        super().__init__()
+        self.feats = _Features(model, is_vit, size)
+        self.head = model.head
+
+    def forward(self, image: torch.Tensor):
+        feats, aux = self.feats(image)
+        logits = self.head(feats)
+        label = logits.argmax(dim=1)
+        heat = self.feats.heatmap(image, aux, self.head.weight[label])
+        return label, torch.softmax(logits, dim=1), logits, heat
+
+
+def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any] | None]:
+    """The export module for a checkpoint, its experts and its vote rule."""
+    mcfg = ModelConfig.from_dict(ck["model_config"])
+    model = build_model(mcfg).eval()
+    state = ck["state"]
+    model.load_state_dict(state["weights"])
+    extras, meta = state.get("extras", {}), state.get("meta", {})
+    if "expert.weight" in extras:
+        names = tuple(meta.get("experts") or ("uniform",))
+        ens = ExpertEnsemble(model.extractor, extras["expert.weight"], extras["expert.bias"], names,
+                             meta.get("vote", "hard")).eval()
+        experts = [{"name": n, "weight": float(w)} for n, w in zip(names, ens.vote_weights.tolist())]
+        vote = {"rule": ens.vote, "weights": [e["weight"] for e in experts],
+                "tie_break": f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of "
+                             f"{ens.tie_bonus:g} on its vote)" if ens.vote != "soft" else "argmax of mean probability"}
+        return EnsembleGraph(model, ens, mcfg.is_vit, mcfg.img_size).eval(), experts, vote
+    return SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size).eval(), [], None
+
+
+def _sample_images(ck: dict[str, Any], images_dir: str | None, data_root: str | None, n: int = 16) -> np.ndarray:
+    """16 real uint8 images at the model's size: from --images, or the run's validation split."""
+    pre = Preprocess.from_dict(ck["preprocess"])
+    if images_dir:
+        from PIL import Image
+
+        files = sorted(p for p in Path(images_dir).rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+        if not files:
+            raise PackageError(f"--images {images_dir}: no PNG or JPEG files to verify the export on")
+        arrs = []
+        for f in (files * n)[:n]:
+            with Image.open(f) as im:
+                arrs.append(pre.to_uint8(im))
+        return np.stack(arrs)
+    from tafl.errors import DataError
+    from tafl.training.config import RunConfig
+    from tafl.training.data import load_dataset
+
+    cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
+    if data_root:
+        cfg.data_root = data_root
+    cfg.img_size, cfg.channels = pre.size, pre.channels
+    try:
+        ds = load_dataset(cfg.validate())
+    except DataError as exc:
+        raise PackageError(f"export verifies the graph on real images, but the run's data is not available "
+                           f"({exc.message}); pass --images DIR or --data-root DIR") from exc
+    return np.concatenate([ds.val.images, ds.test.images])[:n] if len(ds.val) < n else ds.val.images[:n]
+
+
+def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, ...]) -> dict[str, Any]:
+    """ORT (CPU) vs PyTorch eager at batch sizes 1 and 16; raises PackageError on any mismatch."""
+    import onnx
+    import onnxruntime as ort
+
+    try:
+        onnx.checker.check_model(str(onnx_path), full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise PackageError(f"the exported graph fails onnx.checker: {exc}") from exc
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    worst = {"probs": 0.0, "heatmap": 0.0}
+    for bs in (1, 16):
+        batch = x[:bs]
+        with torch.no_grad():
+            ref = dict(zip(names, (t.numpy() for t in graph(torch.from_numpy(batch)))))
+        got = dict(zip(names, sess.run(list(names), {"image": batch})))
+        for key in names:
+            if got[key].shape != ref[key].shape:
+                raise PackageError(f"export check failed: '{key}' has shape {got[key].shape} in ONNX Runtime, "
+                                   f"{ref[key].shape} in PyTorch (batch {bs})")
+        for key in ("label", "expert_labels"):
+            if key in names and not np.array_equal(got[key], ref[key]):
+                raise PackageError(f"export check failed: '{key}' differs between ONNX Runtime and PyTorch (batch {bs})")
+        for key, tol in (("probs", PROB_TOL), ("expert_probs", PROB_TOL), ("heatmap", HEAT_TOL)):
+            if key in names:
+                diff = float(np.abs(got[key] - ref[key]).max())
+                worst["heatmap" if key == "heatmap" else "probs"] = max(worst["heatmap" if key == "heatmap" else "probs"],
+                                                                        diff)
+                if not diff <= tol:
+                    raise PackageError(f"export check failed: '{key}' differs by {diff:.2e} > {tol:g} (batch {bs})")
+    return {"batch_sizes": [1, 16], "max_abs_prob_diff": worst["probs"], "max_abs_heatmap_diff": worst["heatmap"],
+            "prob_tolerance": PROB_TOL, "heatmap_tolerance": HEAT_TOL, "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__, "opset": OPSET, "checker": "onnx.checker.check_model(full_check=True)"}
+
+
+def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size: int) -> list[dict[str, Any]]:
+    desc = {
+        "label": (["batch"], "int64", "the predicted class index (the vote's winner for an ensemble)"),
+        "probs": (["batch", num_classes], "float32", "class probabilities (for an ensemble, the mean of the experts')"),
+        "logits": (["batch", num_classes], "float32", "the head's logits"),
+        "expert_labels": (["batch", n_experts], "int64", "each expert's argmax, in the order of metadata 'experts'"),
+        "expert_probs": (["batch", n_experts, num_classes], "float32", "each expert's softmax"),
+        "votes": (["batch", num_classes], "float32", "weighted vote totals per class (before the tie bonus)"),
+        "heatmap": (["batch", size, size], "float32", "where the model looked, in [0, 1], at the input's resolution"),
+    }
+    return [{"name": n, "shape": desc[n][0], "dtype": desc[n][1], "description": desc[n][2]} for n in names]
+
+
+def _metrics_from(ck_path: Path) -> dict[str, Any] | None:
+    rep = ck_path.parent / "report.json"
+    if not rep.is_file():
+        return None
+    r = json.loads(rep.read_text())
+    dists = r.get("test_distributions", {})
+    return {"source": f"report.json of the training run ({r.get('dataset')} test split; prior-weighted accuracy, "
+                      "DESIGN.md §3)",
+            "average_accuracy": r.get("average_accuracy"),
+            "accuracy": {k: d.get("accuracy") for k, d in dists.items()},
+            "sampled_accuracy": {k: d.get("sampled_accuracy") for k, d in dists.items()},
+            "head_middle_tail": {k: {g: dists[k].get(g) for g in ("head", "middle", "tail")}
+                                 for k in ("forward50", "uniform", "backward50") if k in dists},
+            "uniform_metrics": {k: v for k, v in (r.get("uniform_metrics") or {}).items() if k != "per_class"},
+            "per_class_accuracy": r.get("per_class_accuracy"),
+            "validation": r.get("validation")}
+
+
+def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: bool) -> list[str]:
+    cfg, names = ck["run_config"], ck["class_names"]
+    out = [
+        "Decision support for research and evaluation only; not a certified medical device and not for diagnosis "
+        "without a clinician.",
+        f"Trained on {ck.get('data_provenance', {}).get('n_train', '?')} images of '{cfg['dataset']}' resized "
+        f"to {ck['preprocess']['size']}×{ck['preprocess']['size']} (aspect ratio not kept); images from other "
+        "devices, sites or modalities may fall outside what it learned.",
+        "Training was a federated simulation on one machine "
+        f"({cfg['clients']} clients, Dirichlet α={cfg['alpha']}, {cfg['rounds']} rounds); real sites differ.",
+        f"The heatmap is a {'attention rollout' if is_vit else 'class activation map'}: a hint of where the model "
+        "looked, not a segmentation.",
+    ]
+    if metrics and metrics.get("per_class_accuracy"):
+        weak = [f"{names[i]} ({100 * a:.0f}%)" for i, a in enumerate(metrics["per_class_accuracy"])
+                if a is not None and a < 0.5]
+        if weak:
+            out.append("Classes recognised less than half the time on the test split: " + ", ".join(weak) + ".")
+    if metrics is None:
+        out.append("No evaluation report was found beside the checkpoint; metrics are not recorded.")
+    return out
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | None = None,
+                      parent: str | Path | None = None, images: str | None = None, data_root: str | None = None,
+                      force: bool = False, to_bentoml: str | None = None) -> ModelPackage:
+    from tafl.training.checkpoint import load_checkpoint
+
+    ck_path = Path(checkpoint)
+    ck = load_checkpoint(ck_path)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise PackageError(f"{out} already holds files; pass --force to replace it")
+        if not (out / "metadata.json").is_file():
+            raise PackageError(f"{out} is not empty and holds no model package; refusing to replace it")
+    graph, experts, vote = build_graph(ck)
+    names = type(graph).outputs
+    mcfg = ModelConfig.from_dict(ck["model_config"])
+    pre = Preprocess.from_dict(ck["preprocess"])
+    parent_pkg = load_package(parent) if parent else None
+    parent_info = ck.get("parent_package")  # written by `tafl retrain`
+    if parent_pkg is None and parent_info and Path(parent_info.get("path", "")).is_dir():
+        try:
+            parent_pkg = load_package(parent_info["path"])
+        except PackageError:
+            parent_pkg = None
+    if parent_pkg is not None:
+        version, parent_version, pname = bump_minor(parent_pkg.version), parent_pkg.version, parent_pkg.name
+    elif parent_info:
+        version, parent_version, pname = bump_minor(parent_info["version"]), parent_info["version"], parent_info["name"]
+    else:
+        version, parent_version, pname = "1.0.0", None, None
+    pkg_name = name or pname or f"{ck['method']}-{ck['run_config']['dataset']}"
+    x = pre.normalize(_sample_images(ck, images, data_root))
+    with tempfile.TemporaryDirectory(prefix=".tafl-export-", dir=out.parent if out.parent.exists() else None) as tmp:
+        tmpd = Path(tmp)
+        onnx_path = tmpd / "model.onnx"
+        dyn = {"image": {0: "batch"}, **{n: {0: "batch"} for n in names}}
+        with torch.no_grad():
+            torch.onnx.export(graph, (torch.from_numpy(x[:2]),), str(onnx_path), input_names=["image"],
+                              output_names=list(names), dynamic_axes=dyn, opset_version=OPSET, dynamo=False)
+        check = verify(graph, onnx_path, x, names)
+        metrics = _metrics_from(ck_path)
+        meta = {
+            "schema": SCHEMA, "name": pkg_name, "version": version, "parent_version": parent_version,
+            "parent": ({"name": parent_pkg.name, "version": parent_pkg.version,
+                        "model_sha256": sha256_file(parent_pkg.model_path)} if parent_pkg else parent_info),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "tafl_version": tafl.__version__, "method": ck["method"], "backbone": mcfg.backbone,
+            "model_config": mcfg.to_dict(), "task": "single-label image classification",
+            "class_names": list(ck["class_names"]),
+            "input": {"name": "image", "shape": ["batch", pre.channels, pre.size, pre.size], "dtype": "float32",
+                      "preprocessing": "outside the graph: decode, convert to the channel count, resize to size×size "
+                                       "(Pillow, bilinear), scale to [0, 1], subtract mean, divide by std",
+                      "preprocess": pre.to_dict()},
+            "outputs": _output_spec(names, len(experts), mcfg.num_classes, pre.size),
+            "experts": experts, "vote": vote,
+            "heatmap": "attention rollout of the shared extractor" if mcfg.is_vit else
+                       "class activation map of the predicted class",
+            "training": {"run_config": ck["run_config"], "round": ck["round"],
+                         "train_class_counts": ck.get("train_class_counts"), "class_ranks": ck.get("class_ranks")},
+            "data_provenance": ck.get("data_provenance", {}),
+            "metrics": metrics,
+            "intended_use": (f"Classify {ck['run_config']['dataset']}-like images into {len(ck['class_names'])} classes "
+                             "when the class mix at the site is unknown or shifts (test-agnostic long-tailed "
+                             "setting), as decision support beside a clinician."),
+            "limitations": _limitations(ck, metrics, mcfg.is_vit),
+            "verification": check,
+        }
+        (tmpd / "metadata.json").write_text(json.dumps(meta, indent=2))
+        (tmpd / "README.md").write_text(render_card(meta))
+        shutil.copyfile(ck_path, tmpd / "checkpoint.pt")
+        write_checksums(tmpd, ["model.onnx", "metadata.json", "README.md", "checkpoint.pt"])
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(tmpd, out)
+    pkg = load_package(out)
+    log.info("exported %s %s to %s (max |Δp| %.1e, max |Δheatmap| %.1e)", pkg.name, pkg.version, out,
+             check["max_abs_prob_diff"], check["max_abs_heatmap_diff"])
+    if to_bentoml:
+        from tafl.packaging.store import to_bentoml as store
+
+        store(pkg, to_bentoml)
+    return pkg

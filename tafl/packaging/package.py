@@ -1,0 +1,229 @@
+"""Model packages: a folder (or the same folder inside the BentoML model store) that serving loads
+without PyTorch (DESIGN.md §6).
+
+    model.onnx      the graph: image batch in; label, probabilities, expert votes, heatmap out
+    metadata.json   name, version, lineage, classes, input/output spec, vote rule, provenance, metrics
+    README.md       the model card, generated from the metadata
+    checkpoint.pt   the training checkpoint, so `tafl retrain --from PKG` can continue training
+    SHA256SUMS      one line per file above: "<sha256>  <name>"
+
+`load_package` verifies every checksum and the metadata schema and refuses a tampered or
+incomplete package with a `PackageError` that names the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tafl.errors import PackageError
+from tafl.packaging.preprocess import Preprocess
+
+SCHEMA = "tafl-model-package/1"
+REQUIRED_FILES = ("model.onnx", "metadata.json", "README.md")
+SUMS = "SHA256SUMS"
+VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+
+# key -> type(s) the metadata must hold
+METADATA_FIELDS: dict[str, tuple[type, ...]] = {
+    "schema": (str,), "name": (str,), "version": (str,), "parent_version": (str, type(None)),
+    "created": (str,), "method": (str,), "backbone": (str,), "class_names": (list,), "input": (dict,),
+    "outputs": (list,), "experts": (list,), "vote": (dict, type(None)), "heatmap": (str,),
+    "training": (dict,), "data_provenance": (dict,), "metrics": (dict, type(None)), "intended_use": (str,),
+    "limitations": (list,),
+}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checksums(folder: Path, names: list[str]) -> None:
+    lines = [f"{sha256_file(folder / n)}  {n}" for n in sorted(names)]
+    (folder / SUMS).write_text("\n".join(lines) + "\n")
+
+
+def parse_version(v: str) -> tuple[int, int, int]:
+    m = VERSION_RE.match(v or "")
+    if not m:
+        raise PackageError(f"version {v!r} is not semantic (MAJOR.MINOR.PATCH)")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def bump_minor(v: str) -> str:
+    major, minor, _ = parse_version(v)
+    return f"{major}.{minor + 1}.0"
+
+
+@dataclass
+class ModelPackage:
+    path: Path
+    metadata: dict[str, Any]
+    card: str
+
+    @property
+    def name(self) -> str:
+        return self.metadata["name"]
+
+    @property
+    def version(self) -> str:
+        return self.metadata["version"]
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.metadata["class_names"])
+
+    @property
+    def preprocess(self) -> Preprocess:
+        return Preprocess.from_dict(self.metadata["input"]["preprocess"])
+
+    @property
+    def expert_names(self) -> list[str]:
+        return [e["name"] for e in self.metadata["experts"]]
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / "model.onnx"
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        p = self.path / "checkpoint.pt"
+        return p if p.is_file() else None
+
+    def session(self, providers: list[str] | None = None, threads: int | None = None):
+        """An ONNX Runtime session, CUDA first where it is available (FIELD-NOTES: preload its DLLs)."""
+        import onnxruntime as ort
+
+        if providers is None:
+            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" in available:
+            try:
+                ort.preload_dlls()
+            except Exception:  # noqa: BLE001 - a CPU-only machine: the CPU provider takes over
+                pass
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        use = [p for p in providers if p in available] or ["CPUExecutionProvider"]
+        try:
+            return ort.InferenceSession(str(self.model_path), sess_options=opts, providers=use)
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own types
+            raise PackageError(f"{self.model_path}: ONNX Runtime cannot load the graph ({exc})") from exc
+
+    def run(self, session, images: np.ndarray | list) -> dict[str, np.ndarray]:
+        """Run the graph on a normalised float batch (N, C, H, W) or a list of images/arrays."""
+        x = images if isinstance(images, np.ndarray) and images.dtype == np.float32 and images.ndim == 4 \
+            else self.preprocess(list(images) if not isinstance(images, list) else images)
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(names, {self.metadata["input"]["name"]: x})))
+
+
+def validate_metadata(meta: Any, where: str = "metadata.json") -> None:
+    if not isinstance(meta, dict):
+        raise PackageError(f"{where}: expected a JSON object")
+    for key, types in METADATA_FIELDS.items():
+        if key not in meta:
+            raise PackageError(f"{where}: missing '{key}'")
+        if not isinstance(meta[key], types):
+            raise PackageError(f"{where}: '{key}' has type {type(meta[key]).__name__}")
+    if meta["schema"] != SCHEMA:
+        raise PackageError(f"{where}: schema {meta['schema']!r}; this tafl reads {SCHEMA!r}")
+    parse_version(meta["version"])
+    if meta["parent_version"] is not None:
+        parse_version(meta["parent_version"])
+    if not meta["class_names"] or not all(isinstance(c, str) for c in meta["class_names"]):
+        raise PackageError(f"{where}: 'class_names' must be a non-empty list of strings")
+    inp = meta["input"]
+    for key in ("name", "shape", "dtype", "preprocess"):
+        if key not in inp:
+            raise PackageError(f"{where}: input lacks '{key}'")
+    try:
+        Preprocess.from_dict(inp["preprocess"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PackageError(f"{where}: input.preprocess is invalid ({exc})") from exc
+    outs = {o.get("name") for o in meta["outputs"] if isinstance(o, dict)}
+    needed = {"label", "probs", "heatmap"} | ({"expert_labels", "expert_probs", "votes"} if meta["experts"] else set())
+    if not needed <= outs:
+        raise PackageError(f"{where}: outputs lack {sorted(needed - outs)}")
+    for e in meta["experts"]:
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not isinstance(e.get("weight"), (int, float)):
+            raise PackageError(f"{where}: each expert needs a 'name' and a numeric 'weight'")
+
+
+def load_package(path: str | Path) -> ModelPackage:
+    """Verify checksums and metadata; a tampered or incomplete package is refused."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise PackageError(f"model package not found: {folder} is not a folder")
+    sums = folder / SUMS
+    if not sums.is_file():
+        raise PackageError(f"{folder}: incomplete package, {SUMS} is missing")
+    listed: dict[str, str] = {}
+    for i, line in enumerate(sums.read_text().splitlines(), 1):
+        parts = line.strip().split(maxsplit=1)
+        if not parts:
+            continue
+        if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{64}", parts[0]):
+            raise PackageError(f"{sums}:{i}: malformed line")
+        listed[parts[1].lstrip("*")] = parts[0]
+    for name in REQUIRED_FILES:
+        if name not in listed:
+            raise PackageError(f"{folder}: {SUMS} does not cover {name}")
+    for name, digest in listed.items():
+        f = folder / name
+        if "/" in name or ".." in name:
+            raise PackageError(f"{sums}: refuses path {name!r}")
+        if not f.is_file():
+            raise PackageError(f"{folder}: incomplete package, {name} is missing")
+        if sha256_file(f) != digest:
+            raise PackageError(f"{folder}: checksum mismatch for {name}: the file was modified after export")
+    try:
+        meta = json.loads((folder / "metadata.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise PackageError(f"{folder / 'metadata.json'}: not valid JSON ({exc})") from exc
+    validate_metadata(meta, str(folder / "metadata.json"))
+    return ModelPackage(folder, meta, (folder / "README.md").read_text())
+
+
+def list_packages(root: str | Path) -> list[dict[str, Any]]:
+    """Every package folder under `root` (one level, or root itself): version, metrics, lineage, integrity."""
+    root = Path(root)
+    if not root.is_dir():
+        raise PackageError(f"{root} is not a folder")
+    folders = [root] if (root / "metadata.json").is_file() else sorted(p for p in root.iterdir() if p.is_dir())
+    rows = []
+    for f in folders:
+        if not (f / "metadata.json").is_file():
+            continue
+        row: dict[str, Any] = {"path": str(f)}
+        try:
+            pkg = load_package(f)
+            meta, row["status"] = pkg.metadata, "ok"
+        except PackageError as exc:
+            row["status"] = f"REFUSED: {exc.message}"
+            try:
+                meta = json.loads((f / "metadata.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                rows.append(row)
+                continue
+        m = meta.get("metrics") or {}
+        row.update(name=meta.get("name"), version=meta.get("version"), parent_version=meta.get("parent_version"),
+                   method=meta.get("method"), created=meta.get("created"),
+                   average_accuracy=m.get("average_accuracy"),
+                   backward50=(m.get("accuracy") or {}).get("backward50"),
+                   forward50=(m.get("accuracy") or {}).get("forward50"))
+        rows.append(row)
+    return rows

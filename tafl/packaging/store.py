@@ -1,0 +1,43 @@
+"""The BentoML model store: a package goes in with `bentoml.models.create`, comes out by tag."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tafl.errors import PackageError
+from tafl.packaging.package import ModelPackage, load_package
+
+FILES = ("model.onnx", "metadata.json", "README.md", "checkpoint.pt", "SHA256SUMS")
+
+
+def to_bentoml(pkg: ModelPackage, name: str) -> str:
+    """Store the package under `name`; returns the tag (name:version)."""
+    import bentoml
+
+    version = pkg.version.replace(".", "_")  # BentoML versions are [a-z0-9_.-]; keep the semantic version readable
+    meta = {k: pkg.metadata[k] for k in ("name", "version", "parent_version", "method", "backbone", "class_names",
+                                         "created")}
+    m = pkg.metadata.get("metrics") or {}
+    meta["average_accuracy"] = m.get("average_accuracy")
+    meta = {k: v for k, v in meta.items() if v is not None}  # BentoML metadata takes basic types, not None
+    labels = {"framework": "onnx", "tafl_method": pkg.metadata["method"], "tafl_version": pkg.version}
+    try:
+        with bentoml.models.create(f"{name}:{version}", labels=labels, metadata=meta, module="tafl.packaging") as bm:
+            for f in FILES:
+                if (pkg.path / f).is_file():
+                    shutil.copyfile(pkg.path / f, Path(bm.path) / f)
+    except bentoml.exceptions.BentoMLException as exc:
+        raise PackageError(f"cannot store {pkg.name} in the BentoML model store as '{name}': {exc}") from exc
+    return f"{name}:{version}"
+
+
+def from_bentoml(tag: str) -> ModelPackage:
+    """Load (and verify) a package from the BentoML model store by tag."""
+    import bentoml
+
+    try:
+        model = bentoml.models.get(tag)
+    except bentoml.exceptions.NotFound as exc:
+        raise PackageError(f"no model '{tag}' in the BentoML model store") from exc
+    return load_package(model.path)
