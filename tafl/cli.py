@@ -10,21 +10,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-from tafl.errors import TaflError
+from tafl.errors import ConfigError, TaflError
 
 log = logging.getLogger("tafl.cli")
 
 DEMO_CONFIG: dict[str, Any] = {
     # the embedded default: scikit-learn digits, a long tail of IF 10, 10 clients; about 15 s on 2 cores
-    "method": "fedavg", "dataset": "digits", "img_size": 16, "imbalance_factor": 10.0, "clients": 10,
+    "method": "gtafl", "dataset": "digits", "img_size": 16, "imbalance_factor": 10.0, "clients": 10,
     "frac": 0.5, "alpha": 0.5, "rounds": 30, "local_epochs": 5, "batch_size": 16, "lr": 0.05, "momentum": 0.9,
     "backbone": "resnet8", "width": 0.25, "seed": 7, "threads": 2,
+    "retrain_epochs": 100, "simclr_steps": 5, "simclr_batch": 64,
 }
 
 
@@ -95,17 +97,98 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
+    """Train GTAFL on the embedded digits, export the package, serve it and call it once."""
+    from tafl.packaging.export import export_checkpoint
     from tafl.training.config import RunConfig
     from tafl.training.simulator import train
 
-    out = Path(ns.out)
+    root = Path(ns.out)
+    run, pkg_dir = root / "run", root / "package"
     cfg = RunConfig.from_dict(DEMO_CONFIG, "demo config").validate()
-    force = (out / "run.json").is_file()  # the demo replaces its own earlier run, nothing else
-    print(f"tafl demo: training {cfg.method} on the embedded digits data ({cfg.clients} clients, "
-          f"{cfg.rounds} rounds, long tail IF {cfg.imbalance_factor:g}) into {out}", flush=True)
-    report = train(cfg, out, force=force, progress=None if not ns.no_progress else False)
-    _print_summary(report, out)
+    force = (run / "run.json").is_file()  # the demo replaces its own earlier run, nothing else
+    print(f"tafl demo: 1/3 training {cfg.method} on the embedded digits data ({cfg.clients} clients, "
+          f"{cfg.rounds} rounds, long tail IF {cfg.imbalance_factor:g}) into {run}", flush=True)
+    report = train(cfg, run, force=force, progress=None if not ns.no_progress else False)
+    _print_summary(report, run)
+    print(f"\ntafl demo: 2/3 exporting the ONNX model package to {pkg_dir}", flush=True)
+    pkg = export_checkpoint(run / "final.pt", pkg_dir, name="tafl-demo", force=pkg_dir.exists())
+    print(f"  {pkg.name} {pkg.version}: {len(pkg.expert_names)} experts, hard vote; verified against PyTorch")
+    samples = _demo_samples(root / "samples", report)
+    if ns.no_serve:
+        return 0
+    return _demo_serve(pkg_dir, samples, ns.port, ns.serve_seconds)
+
+
+def _demo_samples(folder: Path, report: dict) -> list[Path]:
+    """A few real test digits as PNG files to send to the service."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    folder.mkdir(parents=True, exist_ok=True)
+    d = load_digits()
+    out = []
+    for digit in (0, 3, 8):
+        i = int(np.flatnonzero(d.target == digit)[-1])
+        img = Image.fromarray(np.round(d.images[i] * 255 / 16).astype(np.uint8), "L").resize((64, 64))
+        p = folder / f"digit_{digit}.png"
+        img.save(p)
+        out.append(p)
+    return out
+
+
+def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: float | None) -> int:
+    import time
+
+    import httpx
+
+    from tafl.serving.launch import ServerProcess, free_port
+
+    port = port or _port_or_free(3000)
+    print(f"\ntafl demo: 3/3 starting the service on http://127.0.0.1:{port} (bentoml serve) ...", flush=True)
+    server = ServerProcess([str(pkg_dir)], port=port, log_path=pkg_dir.parent / "service.log").start()
+    try:
+        with open(samples[1], "rb") as fh:
+            r = httpx.post(f"{server.url}/predict", files={"file": (samples[1].name, fh, "image/png")}, timeout=30)
+        r.raise_for_status()
+        body = r.json()
+        votes = ", ".join(f"{e['name']}={e['class_name']}" for e in body["experts"])
+        print(f"  {samples[1].name} -> class {body['class_name']} (p={body['probability']:.2f}; experts {votes}; "
+              f"{body['timing_ms']['total']:.0f} ms)")
+        print("\nTry it:\n  curl -s -F file=@" + str(samples[0]) + f" {server.url}/predict")
+        print(f"  curl -s -F file=@{samples[2]} -F heatmap=true {server.url}/predict | head -c 400")
+        print(f"  curl -s {server.url}/models | head -c 400\n  (service log: {pkg_dir.parent / 'service.log'})")
+        if seconds is None and sys.stdin.isatty():
+            print("Serving until Ctrl-C ...", flush=True)
+            while server.proc and server.proc.poll() is None:
+                time.sleep(0.5)
+        elif seconds:
+            time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
     return 0
+
+
+def _port_or_free(port: int) -> int:
+    import socket
+
+    from tafl.serving.launch import free_port
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            return free_port()
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from tafl.serving.launch import serve
+
+    print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (Ctrl-C stops)", flush=True)
+    return serve(ns.packages, ns.host, ns.port, ns.token)
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
@@ -144,6 +227,96 @@ def cmd_packages_list(ns: argparse.Namespace) -> int:
         print(f"{str(r.get('name'))[:24]:24} {str(r.get('version')):8} {str(r.get('parent_version') or '-'):8} "
               f"{str(r.get('method')):7} {pct(r.get('average_accuracy')):>6} {pct(r.get('forward50')):>6} "
               f"{pct(r.get('backward50')):>6}  {str(r.get('created')):25} {r['status']}  {r['path']}")
+    return 0
+
+
+def cmd_predict(ns: argparse.Namespace) -> int:
+    import json
+
+    from tafl.clients.client import Client, ServiceCallError
+
+    token = ns.token or os.environ.get("TAFL_API_TOKEN")
+    heat_dir = Path(ns.heatmap) if ns.heatmap else None
+    if heat_dir:
+        heat_dir.mkdir(parents=True, exist_ok=True)
+    failures, rows = 0, []
+    with Client(ns.url, token=token) as client:
+        for f in ns.files:
+            try:
+                p = client.predict(f, model=ns.model, heatmap=heat_dir is not None)
+            except ServiceCallError as exc:
+                if exc.status == 0 or exc.status == 401:
+                    raise  # the service is unreachable or refuses us: nothing else will work either
+                failures += 1
+                rows.append({"file": f, "error": exc.message})
+                continue
+            row = {"file": f, "label": p.label, "class_name": p.class_name, "probability": p.probability,
+                   "experts": {e.name: e.class_name for e in p.experts}, "model": p.model,
+                   "request_id": p.request_id}
+            if p.frames:
+                row["frames"] = [{"frame": fr.frame, "class_name": fr.class_name, "probability": fr.probability}
+                                 for fr in p.frames]
+            if heat_dir and p.heatmap:
+                out = heat_dir / (Path(f).name + ".heatmap.png")
+                out.write_bytes(p.heatmap.png)
+                row["heatmap"] = str(out)
+            rows.append(row)
+    if ns.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            if "error" in r:
+                print(f"{r['file']}: ERROR {r['error']}")
+                continue
+            ex = " ".join(f"{k}={v}" for k, v in r["experts"].items())
+            print(f"{r['file']}: {r['class_name']} (p={r['probability']:.3f}) {ex}  "
+                  f"[{r['model']['name']} {r['model']['version']}]" + (f" heatmap {r['heatmap']}" if "heatmap" in r
+                                                                       else ""))
+            for fr in r.get("frames", [])[1:]:
+                print(f"    frame {fr['frame']}: {fr['class_name']} (p={fr['probability']:.3f})")
+    return 1 if failures == len(ns.files) else 0
+
+
+def cmd_score(ns: argparse.Namespace) -> int:
+    from tafl.clients.score import print_summary, score_folder
+
+    summary = score_folder(ns.folder, ns.out, url=ns.url, package=ns.package,
+                           token=ns.token or os.environ.get("TAFL_API_TOKEN"), model=ns.model,
+                           concurrency=ns.concurrency, batch_size=ns.batch_size, resume=ns.resume, force=ns.force,
+                           progress=False if ns.no_progress else None)
+    print_summary(summary)
+    return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
+
+
+def cmd_retrain(ns: argparse.Namespace) -> int:
+    from tafl.errors import PackageError
+    from tafl.packaging import load_package
+    from tafl.packaging.package import bump_minor
+    from tafl.training.checkpoint import load_checkpoint
+    from tafl.training.config import RunConfig
+    from tafl.training.simulator import train
+
+    pkg = load_package(ns.from_pkg)
+    if pkg.checkpoint_path is None:
+        raise PackageError(f"{pkg.path} carries no checkpoint.pt to continue training from")
+    ck = load_checkpoint(pkg.checkpoint_path)
+    cfg = RunConfig.from_dict(ck["run_config"], "the package's training config")
+    if ns.config:
+        import yaml
+
+        try:
+            cfg.update(yaml.safe_load(Path(ns.config).read_text()) or {}, ns.config)
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read --config {ns.config}: {exc}") from exc
+    cfg.update(config_overrides(ns), "command line")
+    out = Path(ns.out or f"runs/retrain-{pkg.name}-{pkg.version}")
+    parent = {"name": pkg.name, "version": pkg.version, "path": str(pkg.path.resolve())}
+    print(f"retraining {pkg.name} {pkg.version} ({ck['method']}) for {cfg.rounds} more round(s) on "
+          f"{cfg.dataset} into {out}", flush=True)
+    report = train(cfg.validate(), out, resume=ns.resume, force=ns.force,
+                   progress=False if ns.no_progress else None, init_from=ck, parent_package=parent)
+    _print_summary(report, out)
+    print(f"next: tafl export {out / 'final.pt'} --out PKG_DIR   (becomes {pkg.name} {bump_minor(pkg.version)})")
     return 0
 
 
@@ -222,9 +395,54 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("dir")
     pl.set_defaults(func=cmd_packages_list)
 
-    d = sub.add_parser("demo", help="train and evaluate on the embedded digits data")
-    d.add_argument("--out", default="runs/demo", help="run folder (default runs/demo)")
+    pr = sub.add_parser("predict", help="send images to a running service and show the predictions")
+    pr.add_argument("files", nargs="+")
+    pr.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:3000")
+    pr.add_argument("--model", help="package name (default: the service's first)")
+    pr.add_argument("--heatmap", metavar="OUT_DIR", help="also save each heatmap overlay PNG into OUT_DIR")
+    pr.add_argument("--json", action="store_true", help="JSON instead of a table")
+    pr.add_argument("--token", help="bearer token (default $TAFL_API_TOKEN)")
+    pr.set_defaults(func=cmd_predict)
+
+    sc = sub.add_parser("score", help="score every image in a folder into a CSV or JSONL file")
+    sc.add_argument("folder")
+    sc.add_argument("--out", required=True, help="results.csv or results.jsonl")
+    where = sc.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="score through a running service")
+    where.add_argument("--package", help="score in-process with ONNX Runtime from a package folder")
+    sc.add_argument("--model", help="package name on the service (default: its first)")
+    sc.add_argument("--token", help="bearer token (default $TAFL_API_TOKEN)")
+    sc.add_argument("--concurrency", type=int, default=8, help="requests in flight (remote)")
+    sc.add_argument("--batch-size", type=int, default=32, help="images per ONNX Runtime call (in-process)")
+    sc.add_argument("--resume", action="store_true", help="continue an interrupted job, scoring nothing twice")
+    sc.add_argument("--force", action="store_true", help="replace an existing results file")
+    sc.add_argument("--no-progress", action="store_true")
+    sc.set_defaults(func=cmd_score)
+
+    rt = sub.add_parser("retrain", help="continue training from a package's checkpoint on new or more data")
+    rt.add_argument("--from", dest="from_pkg", required=True, metavar="PKG_DIR")
+    rt.add_argument("--config", help="YAML with the keys to change (data, rounds, ...)")
+    rt.add_argument("--out", help="run folder (default runs/retrain-NAME-VERSION)")
+    rt.add_argument("--resume", action="store_true")
+    rt.add_argument("--force", action="store_true")
+    rt.add_argument("--no-progress", action="store_true")
+    add_config_flags(rt)
+    rt.set_defaults(func=cmd_retrain)
+
+    sv = sub.add_parser("serve", help="serve model packages with BentoML (127.0.0.1 by default)")
+    sv.add_argument("packages", nargs="+", help="package folders or BentoML model tags")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=3000)
+    sv.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $TAFL_API_TOKEN or none)")
+    sv.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="train GTAFL on the embedded digits, export, serve and call the service")
+    d.add_argument("--out", default="runs/demo", help="demo folder (default runs/demo)")
     d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--no-serve", action="store_true", help="stop after training and export")
+    d.add_argument("--port", type=int, help="service port (default 3000, or a free one)")
+    d.add_argument("--serve-seconds", type=float, help="keep serving this long (default: until Ctrl-C on a "
+                                                       "terminal, not at all otherwise)")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -107,6 +107,8 @@ class ModelPackage:
         if providers is None:
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
         available = ort.get_available_providers()
+        if "CUDAExecutionProvider" in providers and not cuda_driver_present():
+            providers = [p for p in providers if p != "CUDAExecutionProvider"]  # no driver: skip ORT's noisy attempt
         if "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" in available:
             try:
                 ort.preload_dlls()
@@ -129,6 +131,17 @@ class ModelPackage:
             else self.preprocess(list(images) if not isinstance(images, list) else images)
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(names, {self.metadata["input"]["name"]: x})))
+
+
+def cuda_driver_present() -> bool:
+    """Whether an NVIDIA driver is loadable here (onnxruntime-gpu lists CUDA even where none is)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 def validate_metadata(meta: Any, where: str = "metadata.json") -> None:

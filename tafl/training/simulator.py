@@ -110,8 +110,14 @@ def _now() -> str:
 
 # ------------------------------------------------------------------ training
 def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool = False,
-          progress: bool | None = None) -> dict[str, Any]:
-    """Train, checkpoint every round, evaluate; returns the report (also written to OUT)."""
+          progress: bool | None = None, init_from: dict[str, Any] | None = None,
+          parent_package: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train, checkpoint every round, evaluate; returns the report (also written to OUT).
+
+    `init_from` (a checkpoint) starts from its global state instead of a fresh model: the
+    retraining path. `parent_package` (name, version, path) is recorded in every checkpoint so
+    that `tafl export` versions the result as the parent's successor.
+    """
     out = Path(out)
     cfg = _prepare_out(out, cfg.validate(), resume, force)
     if cfg.threads:
@@ -129,16 +135,22 @@ def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool 
                 h.setLevel(logging.getLogger().getEffectiveLevel())
     tafl_log.addHandler(file_log)
     try:
-        return _train(cfg, out, resume, device, progress)
+        return _train(cfg, out, resume, device, progress, init_from, parent_package)
     finally:
         tafl_log.removeHandler(file_log)
         tafl_log.setLevel(old_level)
         file_log.close()
 
 
-def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progress: bool | None) -> dict[str, Any]:
+def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progress: bool | None,
+           init_from: dict[str, Any] | None = None, parent_package: dict[str, Any] | None = None) -> dict[str, Any]:
     prep = prepare(cfg)
     ds = prep.dataset
+    if init_from is not None:
+        from tafl.packaging.preprocess import Preprocess
+
+        _check_compatible(init_from, prep)
+        ds.preprocess = Preprocess.from_dict(init_from["preprocess"])  # the model learned this normalisation
     log.info("%s: %d training images after the long tail (IF %s), class counts %s; %d clients",
              cfg.dataset, len(prep.train), cfg.imbalance_factor, prep.train_counts.tolist(), cfg.clients)
     for k, row in enumerate(prep.client_counts):
@@ -152,6 +164,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
                             "communication": {"uplink_bytes": 0, "downlink_bytes": 0}, "best": None}
     method.attach_server_pool(server_pool(cfg, ds))
     state = method.init_state(prep.train_counts)
+    if init_from is not None:
+        start_state = GlobalState.from_dict(init_from["state"])
+        state = GlobalState(start_state.weights, {**state.extras, **start_state.extras},
+                            {**start_state.meta, "client_counts": {}, "round": 0})
     # round 0: the census; every client reports its class counts before training starts
     method.round_config(state, {c.client_id: method.client_stats(c) for c in clients}, 0)
     start = 0
@@ -170,6 +186,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
             log.info("resuming after round %d from %s", start, latest)
 
     common = _common_fields(cfg, prep)
+    if parent_package:
+        common["parent_package"] = parent_package
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -209,6 +227,16 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
              _pct(report["average_accuracy"]), _pct(report["test_distributions"]["backward50"]["accuracy"]),
              _pct(report["test_distributions"]["forward50"]["accuracy"]))
     return report
+
+
+def _check_compatible(ck: dict[str, Any], prep: Prepared) -> None:
+    """A checkpoint to continue from must describe the same model over the same classes."""
+    if list(ck["class_names"]) != list(prep.dataset.class_names):
+        raise CheckpointError(f"cannot continue: the checkpoint's classes {ck['class_names']} differ from the new "
+                              f"data's {prep.dataset.class_names}")
+    if ModelConfig.from_dict(ck["model_config"]) != prep.model_cfg:
+        raise CheckpointError(f"cannot continue: the checkpoint's model {ck['model_config']} differs from the "
+                              f"config's {prep.model_cfg.to_dict()} (keep backbone, width, img_size and channels)")
 
 
 def server_pool(cfg: RunConfig, ds: Dataset) -> torch.Tensor | None:

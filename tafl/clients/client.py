@@ -1,0 +1,238 @@
+"""The Python client of the tafl service: `Client(url)` and `AsyncClient(url)`.
+
+Both wrap an httpx client (connection pooling), retry with exponential backoff on connection
+errors and 503, never on 4xx, and turn every service error into `ServiceCallError` carrying the
+HTTP status, the service's error code and message, and the request id. Results are typed.
+
+    with Client("http://127.0.0.1:3000", token=None) as c:
+        p = c.predict("scan.dcm", heatmap=True)
+        print(p.class_name, [e.class_name for e in p.experts])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tafl.errors import TaflError
+
+RETRY_STATUS = {502, 503, 504}
+
+
+class ServiceCallError(TaflError):
+    """A call to the service failed: `status` is the HTTP status (0 when no answer came)."""
+
+    def __init__(self, status: int, message: str, code: str = "", request_id: str | None = None):
+        super().__init__(f"{status or 'no answer'}: {message}")
+        self.status, self.code, self.request_id = status, code, request_id
+        self.detail = message
+
+
+@dataclass(frozen=True)
+class ExpertVote:
+    name: str
+    label: int
+    class_name: str
+    probability: float
+
+
+@dataclass(frozen=True)
+class Heatmap:
+    png: bytes  # the overlay image
+    shape: tuple[int, int]  # the raw map's shape
+    kind: str
+
+
+@dataclass(frozen=True)
+class FrameResult:
+    frame: int
+    label: int
+    class_name: str
+    probability: float
+    probabilities: dict[str, float]
+    experts: list[ExpertVote]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    label: int
+    class_name: str
+    probability: float
+    probabilities: dict[str, float]
+    experts: list[ExpertVote]
+    model: dict[str, str]
+    request_id: str
+    timing_ms: dict[str, float]
+    input: dict[str, Any] = field(default_factory=dict)
+    heatmap: Heatmap | None = None
+    frames: list[FrameResult] | None = None
+
+    @property
+    def model_version(self) -> str:
+        return self.model.get("version", "")
+
+    @classmethod
+    def from_json(cls, b: dict[str, Any]) -> Prediction:
+        def votes(items):
+            return [ExpertVote(e["name"], e["label"], e["class_name"], e["probability"]) for e in items]
+
+        hm = b.get("heatmap")
+        frames = b.get("frames")
+        return cls(label=b["label"], class_name=b["class_name"], probability=b["probability"],
+                   probabilities=b["probabilities"], experts=votes(b.get("experts", [])), model=b["model"],
+                   request_id=b.get("request_id", ""), timing_ms=b.get("timing_ms", {}), input=b.get("input", {}),
+                   heatmap=Heatmap(base64.b64decode(hm["png_base64"]), tuple(hm["shape"]), hm["kind"]) if hm else None,
+                   frames=[FrameResult(f["frame"], f["label"], f["class_name"], f["probability"], f["probabilities"],
+                                       votes(f.get("experts", []))) for f in frames] if frames else None)
+
+
+def _payload(image: str | Path | bytes) -> tuple[str, bytes]:
+    if isinstance(image, (bytes, bytearray)):
+        return "upload", bytes(image)
+    p = Path(image)
+    try:
+        return p.name, p.read_bytes()
+    except OSError as exc:
+        raise ServiceCallError(0, f"cannot read {p}: {exc.strerror or exc}") from exc
+
+
+def _raise_for(r: httpx.Response) -> None:
+    if r.status_code < 400:
+        return
+    try:
+        err = r.json()["error"]
+        msg, code = err.get("message", r.text[:200]), err.get("code", "")
+    except (ValueError, KeyError, TypeError):
+        msg, code = r.text[:200] or r.reason_phrase, ""
+    raise ServiceCallError(r.status_code, msg, code, r.headers.get("X-Request-ID"))
+
+
+class _Base:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 60.0, retries: int = 3,
+                 backoff: float = 0.5, max_connections: int = 32):
+        self.url = url.rstrip("/")
+        self.retries, self.backoff = retries, backoff
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout = httpx.Timeout(timeout, connect=min(10.0, timeout))
+        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+
+    def _delay(self, attempt: int) -> float:
+        return self.backoff * (2 ** attempt)
+
+    def _form(self, image, model, heatmap) -> tuple[dict, dict]:
+        name, data = _payload(image)
+        fields = {"heatmap": "true" if heatmap else "false"}
+        if model:
+            fields["model"] = model
+        return {"file": (name, data, "application/octet-stream")}, fields
+
+
+class Client(_Base):
+    def __init__(self, url: str, **kw: Any):
+        super().__init__(url, **kw)
+        self.http = httpx.Client(headers=self.headers, timeout=self.timeout, limits=self.limits)
+
+    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.http.request(method, self.url + path, **kw)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
+                    httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                last = exc
+            else:
+                if r.status_code not in RETRY_STATUS:
+                    _raise_for(r)
+                    return r
+                last = ServiceCallError(r.status_code, r.text[:200])
+            if attempt < self.retries:
+                time.sleep(self._delay(attempt))
+        if isinstance(last, ServiceCallError):
+            raise last
+        raise ServiceCallError(0, f"cannot reach {self.url} after {self.retries + 1} attempts "
+                                  f"({type(last).__name__}: {last})") from last
+
+    def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False) -> Prediction:
+        files, data = self._form(image, model, heatmap)
+        return Prediction.from_json(self._call("POST", "/predict", files=files, data=data).json())
+
+    def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:
+        files, data = self._form(image, model, False)
+        return self._call("POST", "/heatmap", files=files, data=data).content
+
+    def models(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/models").json()["models"]
+
+    def health(self) -> bool:
+        """True when the service answers /readyz with 200 (no retries)."""
+        try:
+            return self.http.get(self.url + "/readyz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def reload(self, package: str, *, admin_token: str | None = None) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        return self._call("POST", "/admin/reload", json={"package": package}, headers=headers).json()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    def __init__(self, url: str, **kw: Any):
+        super().__init__(url, **kw)
+        self.http = httpx.AsyncClient(headers=self.headers, timeout=self.timeout, limits=self.limits)
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = await self.http.request(method, self.url + path, **kw)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
+                    httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                last = exc
+            else:
+                if r.status_code not in RETRY_STATUS:
+                    _raise_for(r)
+                    return r
+                last = ServiceCallError(r.status_code, r.text[:200])
+            if attempt < self.retries:
+                await asyncio.sleep(self._delay(attempt))
+        if isinstance(last, ServiceCallError):
+            raise last
+        raise ServiceCallError(0, f"cannot reach {self.url} after {self.retries + 1} attempts "
+                                  f"({type(last).__name__}: {last})") from last
+
+    async def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False) -> Prediction:
+        files, data = self._form(image, model, heatmap)
+        return Prediction.from_json((await self._call("POST", "/predict", files=files, data=data)).json())
+
+    async def models(self) -> list[dict[str, Any]]:
+        return (await self._call("GET", "/models")).json()["models"]
+
+    async def health(self) -> bool:
+        try:
+            return (await self.http.get(self.url + "/readyz", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()

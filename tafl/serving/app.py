@@ -1,0 +1,347 @@
+"""HTTP routes of the service: /predict, /heatmap, /models and /admin/reload, as a Starlette app
+mounted into the BentoML service (which keeps /healthz, /livez, /readyz and /metrics).
+
+The routes own their request parsing so that every bad input — a missing or misnamed multipart
+field, an oversized body, a file that is not an image — is a JSON error with a 4xx status and a
+message a person can act on, never a 500 from a validation layer. Uploads are read with a size
+cap before parsing; decoding runs in worker threads; the model call goes through the adaptive
+batcher with a timeout. Each request writes one audit line (request id, model version, label,
+timing) as JSON; patient data (tag values, file names) never reaches logs or responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tafl.errors import (BadRequest, PackageError, PayloadTooLarge, ServiceError, ServiceUnavailable, TaflError,
+                         Unauthorized, UnsupportedMedia)
+from tafl.packaging.heatmap import overlay, png_bytes
+from tafl.serving.decode import decode_image
+from tafl.serving.runtime import LoadedModel, ModelRegistry
+
+log = logging.getLogger("tafl.serving")
+audit_log = logging.getLogger("tafl.audit")
+
+RAW_TYPES = ("image/png", "image/jpeg", "application/dicom", "application/octet-stream")
+TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+@dataclass
+class Settings:
+    packages: list[str]
+    token: str | None = None  # bearer token for /predict, /heatmap, /models; None: open
+    admin_token: str | None = None  # bearer token for /admin/reload; defaults to `token`; None: reload disabled
+    max_upload_bytes: int = 50 * 2**20
+    max_pixels: int = 50_000_000
+    max_frames: int = 64
+    timeout_s: float = 30.0
+    max_batch: int = 64
+    batch_wait_ms: float = 2.0
+    ort_threads: int | None = None
+    audit_path: str | None = None
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        env = os.environ
+        refs = [r.strip() for r in env.get("TAFL_PACKAGES", "").replace(os.pathsep, ",").split(",") if r.strip()]
+        token = env.get("TAFL_API_TOKEN") or None
+        return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or token,
+                   max_upload_bytes=int(float(env.get("TAFL_MAX_UPLOAD_MB", "50")) * 2**20),
+                   max_pixels=int(float(env.get("TAFL_MAX_PIXELS", "50000000"))),
+                   max_frames=int(env.get("TAFL_MAX_FRAMES", "64")),
+                   timeout_s=float(env.get("TAFL_REQUEST_TIMEOUT_S", "30")),
+                   max_batch=int(env.get("TAFL_MAX_BATCH", "64")),
+                   batch_wait_ms=float(env.get("TAFL_BATCH_WAIT_MS", "2")),
+                   ort_threads=int(env["TAFL_ORT_THREADS"]) if env.get("TAFL_ORT_THREADS") else None,
+                   audit_path=env.get("TAFL_AUDIT_LOG") or None)
+
+
+class State:
+    """What the routes share; set once per worker by the BentoML service's __init__."""
+
+    settings: Settings
+    registry: ModelRegistry
+    counter: Any = None  # prometheus counter of predicted classes
+
+
+state = State()
+
+
+def configure(settings: Settings, registry: ModelRegistry, counter: Any = None) -> None:
+    state.settings, state.registry, state.counter = settings, registry, counter
+    logging.getLogger("pydicom").setLevel(logging.ERROR)  # its warnings can quote tag values (patient data)
+    if not audit_log.handlers:
+        handler: logging.Handler = (logging.FileHandler(settings.audit_path) if settings.audit_path
+                                    else logging.StreamHandler())
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        audit_log.addHandler(handler)
+        audit_log.setLevel(logging.INFO)
+        audit_log.propagate = False
+
+
+# ------------------------------------------------------------------ request helpers
+def _check_auth(request: Request, token: str | None, what: str = "this endpoint") -> None:
+    if token is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise Unauthorized(f"{what} needs 'Authorization: Bearer <token>' with the service's token")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit + 64 * 1024:
+        raise PayloadTooLarge(f"the upload is {int(declared) / 2**20:.1f} MiB; the limit is {limit / 2**20:.0f} MiB")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit + 64 * 1024:  # the multipart envelope may add a little
+            raise PayloadTooLarge(f"the upload exceeds the {limit / 2**20:.0f} MiB limit")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    request._body = body  # noqa: SLF001 - Starlette parses the form from the cached body
+    return body
+
+
+def _flag(value: Any, name: str) -> bool:
+    v = str(value).strip().lower()
+    if v in TRUE:
+        return True
+    if v in FALSE:
+        return False
+    raise BadRequest(f"option '{name}' must be true or false, got {str(value)[:20]!r}")
+
+
+async def _upload(request: Request) -> tuple[bytes, dict[str, str]]:
+    """The file bytes and the options, from multipart form data or a raw image body."""
+    limit = state.settings.max_upload_bytes
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    options = {k: v for k, v in request.query_params.items()}
+    if ctype == "multipart/form-data":
+        await _read_body(request, limit)
+        try:
+            form = await request.form(max_files=4, max_fields=20, max_part_size=limit)
+        except Exception as exc:  # noqa: BLE001 - python-multipart's parse errors
+            raise BadRequest(f"the multipart body could not be parsed ({type(exc).__name__}); send the image in "
+                             "the form field 'file'") from exc
+        try:
+            upload = form.get("file")
+            if upload is None or isinstance(upload, str):
+                names = [k for k in form.keys()]
+                raise BadRequest("no file in the multipart field 'file'" +
+                                 (f" (fields received: {', '.join(sorted(set(names))[:10])})" if names else "") +
+                                 "; send the image as -F file=@image.dcm")
+            data = await upload.read()
+            for key, value in form.multi_items():
+                if key != "file" and isinstance(value, str):
+                    options[key] = value
+        finally:
+            await form.close()
+        return data, options
+    if ctype in RAW_TYPES or ctype.startswith("image/"):
+        return await _read_body(request, limit), options
+    raise UnsupportedMedia(f"content type '{ctype or 'none'}' is not accepted: send multipart/form-data with the "
+                           "image in the field 'file', or the raw image as image/png, image/jpeg or application/dicom")
+
+
+def _error(exc: Exception, rid: str) -> JSONResponse:
+    if isinstance(exc, TaflError):
+        status = exc.status if isinstance(exc, ServiceError) else (404 if isinstance(exc, PackageError) else 400)
+        code, msg = type(exc).__name__, exc.message
+    else:
+        status, code, msg = 500, "InternalError", "the service failed on this request; it has been logged"
+    resp = JSONResponse({"error": {"status": status, "code": code, "message": msg}, "request_id": rid}, status)
+    resp.headers["X-Request-ID"] = rid
+    if status == 503:
+        resp.headers["Retry-After"] = "1"
+    return resp
+
+
+def _audit(**fields: Any) -> None:
+    audit_log.info(json.dumps({"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}))
+
+
+# ------------------------------------------------------------------ inference
+async def _infer(model: LoadedModel, frames: list[np.ndarray]) -> dict[str, np.ndarray]:
+    pre = model.package.preprocess
+    x = await asyncio.to_thread(pre, frames)
+    model.in_flight += 1
+    try:
+        return await model.batcher.submit(x)
+    finally:
+        model.in_flight -= 1
+
+
+def _frame_result(model: LoadedModel, out: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+    names = model.package.class_names
+    label = int(out["label"][i])
+    probs = out["probs"][i]
+    res: dict[str, Any] = {"label": label, "class_name": names[label], "probability": float(probs[label]),
+                           "probabilities": {n: float(p) for n, p in zip(names, probs)}}
+    experts = []
+    if "expert_labels" in out:
+        for e, ename in enumerate(model.package.expert_names):
+            el = int(out["expert_labels"][i, e])
+            experts.append({"name": ename, "label": el, "class_name": names[el],
+                            "probability": float(out["expert_probs"][i, e, el])})
+        res["votes"] = {n: float(v) for n, v in zip(names, out["votes"][i])}
+    res["experts"] = experts
+    return res
+
+
+def _overlay_png(frame: np.ndarray, heat: np.ndarray, max_side: int = 1024) -> bytes:
+    h, w = frame.shape[:2]
+    if max(h, w) > max_side:  # keep the overlay small for huge images
+        from PIL import Image
+
+        s = max_side / max(h, w)
+        frame = np.asarray(Image.fromarray(frame).resize((max(1, int(w * s)), max(1, int(h * s)))))
+    return png_bytes(overlay(frame, heat))
+
+
+async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
+    _check_auth(request, state.settings.token)
+    data, options = await _upload(request)
+    audit["bytes"] = len(data)
+    model = state.registry.get(options.get("model"))
+    audit.update(model=model.name, version=model.package.version)
+    want_heat = _flag(options.get("heatmap", "false"), "heatmap")
+    s = state.settings
+    t0 = time.perf_counter()
+    decoded = await asyncio.to_thread(decode_image, data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels,
+                                      max_frames=s.max_frames)
+    t1 = time.perf_counter()
+    out = await _infer(model, decoded.frames)
+    t2 = time.perf_counter()
+    audit.update(kind=decoded.kind, frames=len(decoded.frames))
+    return model, decoded, out, want_heat, (t0, t1, t2)
+
+
+async def predict(request: Request) -> Response:
+    rid = uuid.uuid4().hex[:16]
+    start = time.perf_counter()
+    audit: dict[str, Any] = {"request_id": rid, "route": "/predict"}
+    try:
+        model, decoded, out, want_heat, (t0, t1, t2) = await asyncio.wait_for(
+            _predict_core(request, rid, audit), state.settings.timeout_s)
+        results = [_frame_result(model, out, i) for i in range(len(decoded.frames))]
+        body: dict[str, Any] = {"request_id": rid, **results[0],
+                                "model": {"name": model.name, "version": model.package.version,
+                                          "method": model.package.metadata["method"]},
+                                "input": {"kind": decoded.kind, "frames": len(decoded.frames),
+                                          "size": list(decoded.frames[0].shape[:2]), **decoded.info}}
+        if len(results) > 1:
+            body["frames"] = [{"frame": i, **r} for i, r in enumerate(results)]
+        if want_heat:
+            heat = out["heatmap"][0]
+            png = await asyncio.to_thread(_overlay_png, decoded.frames[0], heat)
+            body["heatmap"] = {"png_base64": base64.b64encode(png).decode(), "shape": list(heat.shape),
+                               "kind": model.package.metadata["heatmap"], "frame": 0}
+        for r in results:
+            if state.counter is not None:
+                state.counter.labels(model=model.name, version=model.package.version, class_name=r["class_name"]).inc()
+        body["timing_ms"] = {"decode": 1000 * (t1 - t0), "inference": 1000 * (t2 - t1),
+                             "total": 1000 * (time.perf_counter() - start)}
+        _audit(**audit, status=200, label=results[0]["label"], class_name=results[0]["class_name"],
+               timing_ms=round(body["timing_ms"]["total"], 2))
+        resp = JSONResponse(body)
+        resp.headers["X-Request-ID"] = rid
+        return resp
+    except asyncio.TimeoutError:
+        exc: Exception = ServiceUnavailable(f"the request took longer than {state.settings.timeout_s:g} s; try again")
+    except Exception as e:  # noqa: BLE001 - every failure becomes a JSON answer
+        exc = e
+    return _fail(exc, rid, audit, start)
+
+
+def _fail(exc: Exception, rid: str, audit: dict[str, Any], start: float) -> JSONResponse:
+    resp = _error(exc, rid)
+    if resp.status_code >= 500 and not isinstance(exc, ServiceUnavailable):
+        log.error("request %s failed: %s", rid, type(exc).__name__, exc_info=exc)
+    _audit(**audit, status=resp.status_code, error=json.loads(resp.body)["error"]["code"],
+           timing_ms=round(1000 * (time.perf_counter() - start), 2))
+    return resp
+
+
+async def heatmap(request: Request) -> Response:
+    rid = uuid.uuid4().hex[:16]
+    start = time.perf_counter()
+    audit: dict[str, Any] = {"request_id": rid, "route": "/heatmap"}
+    try:
+        model, decoded, out, _, _ = await asyncio.wait_for(_predict_core(request, rid, audit), state.settings.timeout_s)
+        png = await asyncio.to_thread(_overlay_png, decoded.frames[0], out["heatmap"][0])
+        label = int(out["label"][0])
+        name = model.package.class_names[label]
+        _audit(**audit, status=200, label=label, class_name=name, timing_ms=round(1000 * (time.perf_counter() - start), 2))
+        safe = name.encode("ascii", "replace").decode()
+        return Response(png, media_type="image/png", headers={"X-Request-ID": rid, "X-Tafl-Label": str(label),
+                                                               "X-Tafl-Class": safe,
+                                                               "X-Tafl-Model": f"{model.name}:{model.package.version}"})
+    except asyncio.TimeoutError:
+        exc: Exception = ServiceUnavailable(f"the request took longer than {state.settings.timeout_s:g} s; try again")
+    except Exception as e:  # noqa: BLE001
+        exc = e
+    return _fail(exc, rid, audit, start)
+
+
+async def models(request: Request) -> Response:
+    rid = uuid.uuid4().hex[:16]
+    try:
+        _check_auth(request, state.settings.token)
+        return JSONResponse({"models": state.registry.describe()}, headers={"X-Request-ID": rid})
+    except Exception as exc:  # noqa: BLE001
+        return _error(exc, rid)
+
+
+async def reload(request: Request) -> Response:
+    """Swap in a new package version without a restart; requests in flight finish on the old one."""
+    rid = uuid.uuid4().hex[:16]
+    start = time.perf_counter()
+    audit: dict[str, Any] = {"request_id": rid, "route": "/admin/reload"}
+    try:
+        if state.settings.admin_token is None:
+            raise Unauthorized("reloading is disabled: start the service with TAFL_ADMIN_TOKEN (or TAFL_API_TOKEN)")
+        _check_auth(request, state.settings.admin_token, "/admin/reload")
+        try:
+            payload = json.loads(await _read_body(request, 64 * 1024) or b"{}")
+        except json.JSONDecodeError as exc:
+            raise BadRequest("send JSON: {\"package\": \"<folder or BentoML tag>\"}") from exc
+        ref = payload.get("package") if isinstance(payload, dict) else None
+        if not isinstance(ref, str) or not ref:
+            raise BadRequest("send JSON: {\"package\": \"<folder or BentoML tag>\"}")
+        new, old = await asyncio.to_thread(state.registry.swap, ref)
+        body = {"request_id": rid, "model": new.name, "version": new.package.version,
+                "previous_version": old.package.version if old else None, "providers": new.providers}
+        _audit(**audit, status=200, model=new.name, version=new.package.version,
+               timing_ms=round(1000 * (time.perf_counter() - start), 2))
+        return JSONResponse(body, headers={"X-Request-ID": rid})
+    except Exception as exc:  # noqa: BLE001
+        return _fail(exc, rid, audit, start)
+
+
+async def _method_not_allowed(request: Request) -> Response:
+    return _error(BadRequest(f"{request.method} is not supported here; see /docs"), uuid.uuid4().hex[:16])
+
+
+app = Starlette(routes=[
+    Route("/predict", predict, methods=["POST"]),
+    Route("/heatmap", heatmap, methods=["POST"]),
+    Route("/models", models, methods=["GET"]),
+    Route("/admin/reload", reload, methods=["POST"]),
+])

@@ -1,0 +1,182 @@
+"""The model side of the service: loaded packages, ONNX Runtime sessions and adaptive batching.
+
+`ModelRegistry` loads packages by folder or BentoML model tag (TAFL_PACKAGES), verifies them with
+the packaging loader, and runs each in ONNX Runtime with the CUDA provider first and the CPU
+provider second; the providers actually in use are logged and reported. `Batcher` is the
+adaptive batching of the model call: requests queue per model; the dispatcher takes whatever is
+waiting (up to `max_batch` images, waiting at most `max_wait_ms` for company), so an idle service
+answers a lone request at once while a busy one forms larger batches on its own. A new package
+version can be swapped in while the old one finishes its in-flight requests (`swap`).
+No torch here: serving runs ONNX Runtime only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tafl.errors import NotFound, PackageError
+from tafl.packaging.package import ModelPackage, load_package
+
+log = logging.getLogger("tafl.serving")
+
+
+def resolve_package(ref: str) -> ModelPackage:
+    """A folder path, or a BentoML model tag (`name` or `name:version`)."""
+    p = Path(ref).expanduser()
+    if p.is_dir():
+        return load_package(p)
+    if "/" in ref or ref.startswith("."):
+        raise PackageError(f"model package folder not found: {ref}")
+    from tafl.packaging.store import from_bentoml
+
+    return from_bentoml(ref if ":" in ref else f"{ref}:latest")
+
+
+class Batcher:
+    """Adaptive batching of one model's calls."""
+
+    def __init__(self, run, max_batch: int = 64, max_wait_ms: float = 2.0):
+        self.run = run  # (N, C, H, W) float32 -> dict of arrays with N rows
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000.0
+        self.queue: asyncio.Queue | None = None
+        self.task: asyncio.Task | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tafl-infer")
+        self.batch_sizes: list[int] = []  # the last few, for /models
+
+    async def submit(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        if self.task is None or self.task.done():
+            self.queue = asyncio.Queue()
+            self.task = asyncio.get_running_loop().create_task(self._loop())
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self.queue.put((x, fut))
+        return await fut
+
+    async def _loop(self) -> None:
+        assert self.queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            items = [await self.queue.get()]
+            rows = len(items[0][0])
+            deadline = loop.time() + self.max_wait
+            while rows < self.max_batch:
+                try:
+                    nxt = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        break
+                    try:
+                        nxt = await asyncio.wait_for(self.queue.get(), left)
+                    except asyncio.TimeoutError:
+                        break
+                items.append(nxt)
+                rows += len(nxt[0])
+            live = [(x, f) for x, f in items if not f.done()]  # a timed-out request no longer waits
+            if not live:
+                continue
+            batch = np.concatenate([x for x, _ in live])
+            self.batch_sizes = (self.batch_sizes + [len(batch)])[-100:]
+            try:
+                out = await loop.run_in_executor(self.pool, self.run, batch)
+            except Exception as exc:  # noqa: BLE001 - handed to every waiting request
+                for _, f in live:
+                    if not f.done():
+                        f.set_exception(exc)
+                continue
+            start = 0
+            for x, f in live:
+                n = len(x)
+                if not f.done():
+                    f.set_result({k: v[start:start + n] for k, v in out.items()})
+                start += n
+
+
+@dataclass
+class LoadedModel:
+    package: ModelPackage
+    session: Any
+    batcher: Batcher
+    providers: list[str]
+    source: str
+    loaded_at: float = field(default_factory=time.time)
+    in_flight: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.package.name
+
+    def describe(self) -> dict[str, Any]:
+        sizes = self.batcher.batch_sizes
+        return {"name": self.name, "version": self.package.version, "source": self.source,
+                "providers": self.providers, "metadata": self.package.metadata, "card": self.package.card,
+                "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at)),
+                "recent_batch_sizes": {"count": len(sizes), "mean": float(np.mean(sizes)) if sizes else None,
+                                       "max": max(sizes) if sizes else None}}
+
+
+class ModelRegistry:
+    def __init__(self, refs: list[str], *, providers: list[str] | None = None, threads: int | None = None,
+                 max_batch: int = 64, max_wait_ms: float = 2.0):
+        if not refs:
+            raise PackageError("no model packages configured: set TAFL_PACKAGES to package folders or BentoML tags")
+        self.providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        self.threads, self.max_batch, self.max_wait_ms = threads, max_batch, max_wait_ms
+        self.models: dict[str, LoadedModel] = {}
+        self.order: list[str] = []
+        self.lock = threading.Lock()
+        for ref in refs:
+            m = self._load(ref)
+            if m.name in self.models:
+                raise PackageError(f"two packages are named '{m.name}'; give them distinct names at export")
+            self.models[m.name] = m
+            self.order.append(m.name)
+
+    def _load(self, ref: str) -> LoadedModel:
+        pkg = resolve_package(ref)
+        session = pkg.session(self.providers, self.threads)
+        used = session.get_providers()
+        log.info("loaded model package %s %s from %s; ONNX Runtime providers in use: %s", pkg.name, pkg.version, ref,
+                 used)
+        if "CUDAExecutionProvider" in self.providers and "CUDAExecutionProvider" not in used:
+            log.info("%s runs on the CPU (no usable CUDA provider)", pkg.name)
+        input_name = pkg.metadata["input"]["name"]
+        out_names = [o.name for o in session.get_outputs()]
+
+        def run(batch: np.ndarray) -> dict[str, np.ndarray]:
+            return dict(zip(out_names, session.run(out_names, {input_name: batch})))
+
+        return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, ref)
+
+    def get(self, name: str | None) -> LoadedModel:
+        with self.lock:
+            if not name:
+                return self.models[self.order[0]]
+            if name not in self.models:
+                raise NotFound(f"no model named '{name}'; loaded: {', '.join(self.order)}")
+            return self.models[name]
+
+    def swap(self, ref: str) -> tuple[LoadedModel, LoadedModel | None]:
+        """Load a package and make it answer for its name; requests already holding the old one finish on it."""
+        new = self._load(ref)
+        with self.lock:
+            old = self.models.get(new.name)
+            self.models[new.name] = new
+            if new.name not in self.order:
+                self.order.append(new.name)
+        log.info("model %s now answers with version %s (was %s)", new.name, new.package.version,
+                 old.package.version if old else "none")
+        return new, old
+
+    def describe(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [self.models[n].describe() for n in self.order]

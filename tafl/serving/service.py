@@ -1,0 +1,37 @@
+"""The BentoML service (DESIGN.md §7): `bentoml serve tafl.serving.service:TaflService`.
+
+Packages come from TAFL_PACKAGES (folders or BentoML model tags, comma-separated); they are
+loaded once per worker, verified, and run in ONNX Runtime (CUDA first, CPU second). The routes
+live in `tafl.serving.app`; BentoML adds /healthz, /livez, /readyz and /metrics, where the
+`tafl_predicted_class_total` counter shows the test-time class mix per model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import bentoml
+
+from tafl.serving.app import Settings, app, configure
+from tafl.serving.runtime import ModelRegistry
+
+log = logging.getLogger("tafl.serving")
+
+PREDICTED = bentoml.metrics.Counter(
+    name="tafl_predicted_class",
+    documentation="Predictions per model, version and predicted class: the test-time class mix",
+    labelnames=["model", "version", "class_name"],
+)
+
+
+@bentoml.service(name="tafl", resources={"gpu": 1}, traffic={"timeout": 120, "concurrency": 64}, workers=1)
+@bentoml.asgi_app(app, path="/")
+class TaflService:
+    def __init__(self) -> None:
+        settings = Settings.from_env()
+        self.registry = ModelRegistry(settings.packages, threads=settings.ort_threads, max_batch=settings.max_batch,
+                                      max_wait_ms=settings.batch_wait_ms)
+        configure(settings, self.registry, PREDICTED)
+        log.info("tafl service ready with %s (auth %s)", ", ".join(f"{m['name']} {m['version']}"
+                                                                   for m in self.registry.describe()),
+                 "on" if settings.token else "off")
