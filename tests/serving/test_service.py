@@ -17,7 +17,7 @@ from PIL import Image
 
 from tafl.packaging import load_package
 from tests.conftest import SHARED_DATA
-from tests.serving.conftest import TOKEN, digit_png, png_bytes
+from tests.conftest import TOKEN, digit_png, png_bytes
 
 pytestmark = pytest.mark.slow
 

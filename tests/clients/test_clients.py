@@ -1,0 +1,299 @@
+"""The client library, `tafl predict`, folder scoring with resume, retries, and retrain -> export -> reload."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tafl.clients.client import Client, Prediction, ServiceCallError
+from tafl.clients.score import score_folder
+from tafl.serving.launch import ServerProcess, free_port
+from tests.conftest import SHARED_DATA, TOKEN, digit_png
+
+TAFL = [sys.executable, "-m", "tafl.cli"]
+
+
+# ------------------------------------------------------------------ retry logic (injected transport)
+def _client_with(handler, **kw) -> Client:
+    c = Client("http://svc", backoff=0.001, **kw)
+    c.http = httpx.Client(transport=httpx.MockTransport(handler))
+    return c
+
+
+def _ok_body():
+    return {"label": 1, "class_name": "b", "probability": 0.9, "probabilities": {"a": 0.1, "b": 0.9},
+            "experts": [{"name": "uniform", "label": 1, "class_name": "b", "probability": 0.9}],
+            "model": {"name": "m", "version": "1.0.0", "method": "gtafl"}, "request_id": "r", "timing_ms": {}}
+
+
+def test_retries_on_503_and_connection_errors_but_not_on_4xx():
+    calls = []
+
+    def flaky(request):
+        calls.append(1)
+        if len(calls) < 3:
+            return httpx.Response(503, json={"error": {"message": "busy", "code": "ServiceUnavailable"}})
+        return httpx.Response(200, json=_ok_body())
+
+    p = _client_with(flaky).predict(b"\x89PNG....")
+    assert isinstance(p, Prediction) and p.class_name == "b" and p.experts[0].name == "uniform" and len(calls) == 3
+
+    calls.clear()
+
+    def bad(request):
+        calls.append(1)
+        return httpx.Response(415, json={"error": {"message": "not an image", "code": "UnsupportedMedia"}},
+                              headers={"X-Request-ID": "abc"})
+
+    with pytest.raises(ServiceCallError) as e:
+        _client_with(bad).predict(b"text")
+    assert e.value.status == 415 and e.value.code == "UnsupportedMedia" and e.value.request_id == "abc"
+    assert len(calls) == 1  # no retry on 4xx
+
+    calls.clear()
+
+    def down(request):
+        calls.append(1)
+        raise httpx.ConnectError("refused")
+
+    with pytest.raises(ServiceCallError) as e:
+        _client_with(down, retries=2).predict(b"x")
+    assert e.value.status == 0 and "cannot reach" in str(e.value) and len(calls) == 3
+
+
+def test_unreadable_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ServiceCallError, match="cannot read"):
+        Client("http://127.0.0.1:9").predict(tmp_path / "missing.png")
+
+
+# ------------------------------------------------------------------ against the real service
+pytestmark = pytest.mark.slow
+
+
+def test_client_against_the_service(server, tmp_path):
+    with Client(server.url) as c:
+        assert c.health()
+        p = c.predict(digit_png(4), heatmap=True)
+        assert p.model["name"] == "derm-gtafl" and len(p.experts) == 3 and p.heatmap is not None
+        assert p.heatmap.png.startswith(b"\x89PNG") and p.heatmap.shape == (16, 16)
+        assert {m["name"] for m in c.models()} == {"derm-gtafl", "derm-dafl"}
+        d = c.predict(digit_png(4), model="derm-dafl")
+        assert d.experts == [] and d.model_version == "1.0.0"
+        with pytest.raises(ServiceCallError) as e:
+            c.predict(digit_png(4), model="nope")
+        assert e.value.status == 404
+    assert not Client("http://127.0.0.1:9", retries=0).health()
+
+
+def test_tafl_predict_cli(server, tmp_path):
+    f1, f2 = tmp_path / "a.png", tmp_path / "b.png"
+    f1.write_bytes(digit_png(1))
+    f2.write_bytes(digit_png(2))
+    r = subprocess.run([*TAFL, "predict", str(f1), str(f2), "--url", server.url, "--heatmap", str(tmp_path / "hm"),
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [Path(x["file"]).name for x in rows] == ["a.png", "b.png"]
+    assert all(Path(x["heatmap"]).is_file() for x in rows)
+    table = subprocess.run([*TAFL, "predict", str(f1), "--url", server.url], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "forward=" in table.stdout and "derm-gtafl 1.0.0" in table.stdout
+    down = subprocess.run([*TAFL, "predict", str(f1), "--url", "http://127.0.0.1:9"], capture_output=True, text=True,
+                          timeout=120)
+    assert down.returncode == 2 and "cannot reach" in down.stderr and "Traceback" not in down.stderr
+
+
+def test_wrong_token_is_a_clear_error(auth_server, tmp_path):
+    f = tmp_path / "a.png"
+    f.write_bytes(digit_png(1))
+    r = subprocess.run([*TAFL, "predict", str(f), "--url", auth_server.url, "--token", "wrong"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "401" in r.stderr and "Bearer" in r.stderr
+    ok = subprocess.run([*TAFL, "predict", str(f), "--url", auth_server.url, "--token", TOKEN], capture_output=True,
+                        text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+
+
+def _image_folder(root: Path, n_ham: int = 300) -> Path:
+    """A hospital-style folder: HAM10000 JPEGs in subfolders, DICOMs with and without extension, junk."""
+    folder = root / "incoming"
+    (folder / "derm" / "batch1").mkdir(parents=True)
+    (folder / "radiology").mkdir()
+    ham = SHARED_DATA / "ham10000" / "images"
+    if ham.is_dir():
+        for i, p in enumerate(sorted(ham.glob("*.jpg"))[:n_ham]):
+            shutil.copyfile(p, folder / "derm" / ("batch1" if i % 2 else "") / p.name)
+    else:
+        for i in range(40):
+            (folder / "derm" / f"d{i}.png").write_bytes(digit_png(i))
+    dicoms = SHARED_DATA / "dicom"
+    if dicoms.is_dir():
+        for name in ("liver.dcm", "MR2_J2KI.dcm", "SC_rgb_2frame.dcm", "US1_J2KR.dcm"):
+            shutil.copyfile(dicoms / name, folder / "radiology" / name)
+        shutil.copyfile(dicoms / "emri_small.dcm", folder / "radiology" / "IM000123")  # no extension
+        shutil.copyfile(dicoms / "liver_deflate.dcm", folder / "radiology" / "deflated.dcm")  # unsupported: an error row
+    (folder / "notes.txt").write_text("not an image")
+    (folder / "radiology" / "README").write_text("hello")
+    return folder
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_score_remote_and_in_process_agree(server, gtafl_pkg, tmp_path):
+    folder = _image_folder(tmp_path)
+    remote = score_folder(folder, tmp_path / "remote.csv", url=server.url, concurrency=8, progress=False)
+    local = score_folder(folder, tmp_path / "local.jsonl", package=str(gtafl_pkg), batch_size=32, progress=False)
+    r = {x["path"]: x for x in _rows(tmp_path / "remote.csv")}
+    l = {json.loads(x)["path"]: json.loads(x) for x in (tmp_path / "local.jsonl").read_text().splitlines()}
+    assert set(r) == set(l) and len(r) == remote["images"] == local["images"]
+    scored = [p for p in r if not r[p]["error"]]
+    assert len(scored) >= 40
+    assert all(r[p]["class_name"] == l[p]["class_name"] and r[p]["expert_uniform"] == l[p]["expert_uniform"]
+               for p in scored), "remote and in-process labels differ"
+    assert {"notes.txt", "radiology/README"} <= set(remote["skipped"])
+    if (SHARED_DATA / "dicom").is_dir():
+        assert "radiology/IM000123" in r and not r["radiology/IM000123"]["error"]  # DICOM without an extension
+        assert r["radiology/deflated.dcm"]["error"].startswith("415")
+        assert l["radiology/deflated.dcm"]["error"].startswith("415")
+    assert sum(m["predicted"] for m in remote["class_mix"]) == len(scored)
+    assert set(_rows(tmp_path / "remote.csv")[0]) >= {"path", "label", "class_name", "probability", "expert_forward",
+                                                      "expert_uniform", "expert_backward", "model_version", "error"}
+
+
+def test_score_refuses_existing_output_and_empty_folders(tmp_path, gtafl_pkg):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(digit_png(1))
+    out = tmp_path / "r.csv"
+    score_folder(folder, out, package=str(gtafl_pkg), progress=False)
+    r = subprocess.run([*TAFL, "score", str(folder), "--out", str(out), "--package", str(gtafl_pkg)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--resume" in r.stderr and "--force" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "x.txt").write_text("x")
+    r = subprocess.run([*TAFL, "score", str(empty), "--out", str(tmp_path / "e.csv"), "--package", str(gtafl_pkg)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "holds no DICOM, PNG or JPEG" in r.stderr
+    r = subprocess.run([*TAFL, "score", str(folder), "--out", str(tmp_path / "u.csv"), "--url", "http://127.0.0.1:9"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cannot reach" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_kill_part_way_then_resume_scores_each_image_once(server, tmp_path):
+    folder = _image_folder(tmp_path, n_ham=300)
+    out = tmp_path / "results.csv"
+    args = [*TAFL, "score", str(folder), "--out", str(out), "--url", server.url, "--concurrency", "2",
+            "--no-progress"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 40):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = _rows(out)
+    assert 20 < len(partial) < 290, "the job was not interrupted part-way"
+    r = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = _rows(out)
+    paths = [x["path"] for x in rows]
+    assert len(paths) == len(set(paths)), "an image was scored twice"
+    images = [p for p in paths]
+    assert len(images) == len(partial) + (len(rows) - len(partial))
+    assert set(paths) >= {x["path"] for x in partial}
+    total = sum(1 for p in folder.rglob("*") if p.is_file()) - 2  # notes.txt and README are skipped
+    assert len(rows) == total
+    assert all(x["model_version"] == "1.0.0" or x["error"] for x in rows)
+
+
+def test_scoring_survives_a_server_restart(gtafl_pkg, bentoml_home, tmp_path):
+    port = free_port()
+    env = {"BENTOML_HOME": str(bentoml_home)}
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(120):
+        (folder / f"{i:03d}.png").write_bytes(digit_png(i))
+    srv = ServerProcess([str(gtafl_pkg)], port=port, env=env, log_path=tmp_path / "svc1.log").start()
+    seen: list = []
+    result: dict = {}
+
+    def job():
+        result["summary"] = score_folder(folder, tmp_path / "r.csv", url=srv.url, concurrency=2, progress=False,
+                                         on_row=seen.append)
+
+    t = threading.Thread(target=job)
+    t.start()
+    while len(seen) < 20:
+        time.sleep(0.02)
+    srv.stop()  # the service goes down mid-job ...
+    time.sleep(1.0)
+    srv2 = ServerProcess([str(gtafl_pkg)], port=port, env=env, log_path=tmp_path / "svc2.log").start()  # ... and back
+    try:
+        t.join(300)
+        assert not t.is_alive()
+        s = result["summary"]
+        assert s["predicted"] == 120 and not s["failed"]
+        assert len(_rows(tmp_path / "r.csv")) == 120
+    finally:
+        srv2.stop()
+
+
+def test_retrain_export_reload_loop(gtafl_pkg, bentoml_home, tmp_path):
+    cfg = tmp_path / "more.yaml"
+    cfg.write_text("rounds: 1\nseed: 11\n")
+    run = tmp_path / "retrain"
+    r = subprocess.run([*TAFL, "retrain", "--from", str(gtafl_pkg), "--config", str(cfg), "--out", str(run),
+                        "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "becomes derm-gtafl 1.1.0" in r.stdout
+    pkg2 = tmp_path / "pkg-1.1.0"
+    r = subprocess.run([*TAFL, "export", str(run / "final.pt"), "--out", str(pkg2)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((pkg2 / "metadata.json").read_text())
+    assert meta["name"] == "derm-gtafl" and meta["version"] == "1.1.0" and meta["parent_version"] == "1.0.0"
+    env = {"BENTOML_HOME": str(bentoml_home), "TAFL_ADMIN_TOKEN": "admin"}
+    with ServerProcess([str(gtafl_pkg)], env=env, log_path=tmp_path / "svc.log") as srv, Client(srv.url) as c:
+        assert c.predict(digit_png(1)).model_version == "1.0.0"
+        with pytest.raises(ServiceCallError) as e:
+            c.reload(str(pkg2), admin_token="wrong")
+        assert e.value.status == 401
+        versions: list[str] = []
+        errors: list[Exception] = []
+        stop = threading.Event()
+
+        def hammer():  # requests in flight while the version changes
+            with Client(srv.url) as cc:
+                while not stop.is_set():
+                    try:
+                        versions.append(cc.predict(digit_png(2)).model_version)
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append(exc)
+
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        res = c.reload(str(pkg2), admin_token="admin")
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert res["version"] == "1.1.0" and res["previous_version"] == "1.0.0"
+        assert not errors, errors[:3]
+        assert "1.0.0" in versions and versions[-1] == "1.1.0"
+        assert c.predict(digit_png(3)).model_version == "1.1.0"
+        assert [m["version"] for m in c.models()] == ["1.1.0"]
