@@ -34,6 +34,7 @@ from tafl.training.methods import GlobalState, Method, method_class
 from tafl.training.methods.base import ClientData, tensor_bytes
 from tafl.training.models import ModelConfig
 from tafl.training.report import write_json, write_report
+from tafl.training.transport import InProcessTransport, Transport
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,13 @@ def _now() -> str:
 # ------------------------------------------------------------------ training
 def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool = False,
           progress: bool | None = None, init_from: dict[str, Any] | None = None,
-          parent_package: dict[str, Any] | None = None) -> dict[str, Any]:
+          parent_package: dict[str, Any] | None = None, transport_factory=None) -> dict[str, Any]:
     """Train, checkpoint every round, evaluate; returns the report (also written to OUT).
 
     `init_from` (a checkpoint) starts from its global state instead of a fresh model: the
     retraining path. `parent_package` (name, version, path) is recorded in every checkpoint so
-    that `tafl export` versions the result as the parent's successor.
+    that `tafl export` versions the result as the parent's successor. `transport_factory(method,
+    prepared)` gives the engine that reaches the clients (default: the in-process simulator).
     """
     out = Path(out)
     cfg = _prepare_out(out, cfg.validate(), resume, force)
@@ -135,7 +137,7 @@ def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool 
                 h.setLevel(logging.getLogger().getEffectiveLevel())
     tafl_log.addHandler(file_log)
     try:
-        return _train(cfg, out, resume, device, progress, init_from, parent_package)
+        return _train(cfg, out, resume, device, progress, init_from, parent_package, transport_factory)
     finally:
         tafl_log.removeHandler(file_log)
         tafl_log.setLevel(old_level)
@@ -143,7 +145,8 @@ def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool 
 
 
 def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progress: bool | None,
-           init_from: dict[str, Any] | None = None, parent_package: dict[str, Any] | None = None) -> dict[str, Any]:
+           init_from: dict[str, Any] | None = None, parent_package: dict[str, Any] | None = None,
+           transport_factory=None) -> dict[str, Any]:
     prep = prepare(cfg)
     ds = prep.dataset
     if init_from is not None:
@@ -156,9 +159,13 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
     for k, row in enumerate(prep.client_counts):
         log.info("client %d: %d samples, class counts %s", k, int(row.sum()), row.tolist())
     method = make_method(cfg, prep.model_cfg, ds.preprocess, device)
-    images = torch.from_numpy(prep.train.images)  # the one copy of the training data
-    labels = torch.from_numpy(prep.train.labels)
-    clients = [ClientData(k, images, labels, torch.from_numpy(p), ds.num_classes) for k, p in enumerate(prep.parts)]
+    if transport_factory is None:
+        images = torch.from_numpy(prep.train.images)  # the one copy of the training data
+        labels = torch.from_numpy(prep.train.labels)
+        clients = [ClientData(k, images, labels, torch.from_numpy(p), ds.num_classes) for k, p in enumerate(prep.parts)]
+        transport: Transport = InProcessTransport(method, clients)
+    else:
+        transport = transport_factory(method, prep)
 
     book: dict[str, Any] = {"history": [], "timing": {"client_s": 0.0, "server_s": 0.0, "eval_s": 0.0},
                             "communication": {"uplink_bytes": 0, "downlink_bytes": 0}, "best": None}
@@ -169,7 +176,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
         state = GlobalState(start_state.weights, {**state.extras, **start_state.extras},
                             {**start_state.meta, "client_counts": {}, "round": 0})
     # round 0: the census; every client reports its class counts before training starts
-    method.round_config(state, {c.client_id: method.client_stats(c) for c in clients}, 0)
+    method.round_config(state, transport.census(), 0)
     start = 0
     ckpt_dir = out / "checkpoints"
     if resume:
@@ -195,7 +202,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
                                        disable=(not progress) if progress is not None else None,
                                        dynamic_ncols=True) as bar:
         for r in range(start + 1, cfg.rounds + 1):
-            state = _one_round(method, state, clients, r, cfg, book)
+            state = _one_round(method, state, transport, r, cfg, book)
             t0 = time.perf_counter()
             h = book["history"][-1]
             if r % cfg.eval_every == 0 or r == cfg.rounds:
@@ -249,22 +256,21 @@ def server_pool(cfg: RunConfig, ds: Dataset) -> torch.Tensor | None:
     return torch.from_numpy(split.images)
 
 
-def _one_round(method: Method, state: GlobalState, clients: list[ClientData], r: int, cfg: RunConfig,
+def _one_round(method: Method, state: GlobalState, transport: Transport, r: int, cfg: RunConfig,
                book: dict[str, Any]) -> GlobalState:
     t_round = time.perf_counter()
-    selected = select_clients(len(clients), cfg.frac, cfg.seed, r)
-    stats = {k: method.client_stats(clients[k]) for k in selected}
+    selected = select_clients(transport.num_clients, cfg.frac, cfg.seed, r)
+    stats = transport.stats(selected)
     round_cfg = method.round_config(state, stats, r)
     payload = method.broadcast(state)
+    results, cost = transport.train(selected, payload, round_cfg)
     comm = book["communication"]
-    comm["downlink_bytes"] += tensor_bytes(payload) * len(selected)
-    results = []
-    for k in selected:
-        t0 = time.perf_counter()
-        res = method.client_update(payload, clients[k], round_cfg)
-        book["timing"]["client_s"] += time.perf_counter() - t0
-        comm["uplink_bytes"] += tensor_bytes(res.weights) + tensor_bytes(res.extras) + tensor_bytes(stats[k])
-        results.append(res)
+    comm["downlink_bytes"] += cost["downlink_bytes"]
+    comm["uplink_bytes"] += cost["uplink_bytes"] + sum(tensor_bytes(s) for s in stats.values())
+    for key in ("wire_uplink_bytes", "wire_downlink_bytes"):
+        if key in cost:
+            comm[key] = comm.get(key, 0) + cost[key]
+    book["timing"]["client_s"] += cost["client_s"]
     t0 = time.perf_counter()
     state = method.server_update(state, results, r)
     book["timing"]["server_s"] += time.perf_counter() - t0
@@ -272,8 +278,10 @@ def _one_round(method: Method, state: GlobalState, clients: list[ClientData], r:
         book["timing"][key] = book["timing"].get(key, 0.0) + secs
     losses = [res.metrics.get("loss", float("nan")) for res in results]
     finite = [x for x in losses if np.isfinite(x)]
+    answered = {res.client_id for res in results}
     book["history"].append({"round": r, "clients": selected, "loss": float(np.mean(finite)) if finite else float("nan"),
-                            "dropped": state.meta.get("dropped", []), "seconds": time.perf_counter() - t_round})
+                            "dropped": sorted(set(state.meta.get("dropped", [])) | (set(selected) - answered)),
+                            "seconds": time.perf_counter() - t_round})
     return state
 
 
