@@ -69,7 +69,12 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from tafl.training.simulator import train
 
     cfg = load_config(ns.config, config_overrides(ns))
-    report = train(cfg, ns.out, resume=ns.resume, force=ns.force, progress=None if not ns.no_progress else False)
+    if cfg.engine == "flower":
+        from tafl.training.flower import run_flower_simulation
+
+        report = run_flower_simulation(cfg, ns.out, resume=ns.resume, force=ns.force)
+    else:
+        report = train(cfg, ns.out, resume=ns.resume, force=ns.force, progress=None if not ns.no_progress else False)
     _print_summary(report, Path(ns.out))
     return 0
 

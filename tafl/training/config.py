@@ -96,6 +96,9 @@ class RunConfig:
     num_heads: int | None = None  # ViT heads override
     pretrained: str | None = None  # path to local weights, or "hub" to download (needs a network)
     # --- run ---
+    engine: str = "simulator"  # simulator (in-process) | flower (Flower's simulation engine; see docs/flower.md)
+    flower_timeout: float = 600.0  # Flower: seconds the server waits for the round's replies
+    flower_wait_s: float = 60.0  # Flower: seconds to wait for the SuperNodes to connect
     seed: int = 7  # seeds data split, long tail, partition, client selection and training
     eval_every: int = 1  # validate every N rounds (the last round is always validated)
     select: str = "last"  # last: keep the last round; val: keep the round with the best validation balanced accuracy
@@ -184,6 +187,10 @@ class RunConfig:
                 raise bad(key, "must be > 0")
         if not 0 <= self.gs_tau <= 1:
             raise bad("gs_tau", "must be in [0, 1]")
+        if self.engine not in ("simulator", "flower"):
+            raise bad("engine", "choose simulator or flower")
+        if not self.flower_timeout > 0 or self.flower_wait_s < 0:
+            raise bad("flower_timeout", "flower_timeout must be > 0 and flower_wait_s >= 0")
         if self.optimizer not in ("sgd", "adam"):
             raise bad("optimizer", "choose sgd or adam")
         if self.loss not in ("dafl", "focal", "ce"):

@@ -1,0 +1,301 @@
+"""Flower engine: the same transport-free steps, driven across sites as a Flower ServerApp/ClientApp.
+
+Nothing here implements a method. The ServerApp runs the simulator's round loop
+(`simulator.train`) with a `FlowerTransport`, so GFF matching, expert retraining, SimCLR and the
+DAFL statistics run in the ServerApp exactly as in-process; the ClientApp calls the method's
+`client_stats` and `client_update`. On the wire: the round's payload and every client's weights
+and extras are `ArrayRecord`s, the statistics too, the run, model and round configuration are
+`ConfigRecord`s (JSON strings for nested values), losses are `MetricRecord`s.
+
+Client data: a SuperNode started with `--node-config "partition-id=K num-partitions=N"` holds
+client K of the simulated split of the run's dataset; one started with data keys
+(`--node-config "dataset='folder' data-root='/data' labels='labels.csv' label-column='dx'"`) trains
+on that hospital's own images (their training split). Nodes that do not answer in time, answer
+with an error, or send malformed records are dropped from the round with a logged reason; the
+server keeps its per-round checkpoint, so a restarted ServerApp continues with `resume=true`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tafl.errors import ConfigError, DataError
+from tafl.training.config import RunConfig
+from tafl.training.methods.base import ClientData, ClientResult, Tensors, tensor_bytes
+from tafl.training.transport import Transport
+
+log = logging.getLogger(__name__)
+
+DATA_KEYS = ("dataset", "data_root", "labels", "image_column", "label_column", "group_column", "image_dir",
+             "val_fraction", "test_fraction", "imbalance_factor", "cache_dir")
+
+
+def _records():
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+    return ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+
+def to_array_record(t: Tensors):
+    ArrayRecord = _records()[0]
+    return ArrayRecord(torch_state_dict={k: v.detach().cpu() for k, v in t.items()}) if t else ArrayRecord()
+
+
+def from_array_record(rec) -> Tensors:
+    return {k: v.clone() for k, v in rec.to_torch_state_dict().items()} if len(rec) else {}
+
+
+# ------------------------------------------------------------------ client side
+_NODE_CACHE: dict[tuple, tuple[Any, ClientData]] = {}
+
+
+def _client(content, context) -> tuple[Any, ClientData]:
+    """The method and this node's data, rebuilt from the server's configuration (cached per process)."""
+    from tafl.packaging.preprocess import Preprocess
+    from tafl.training.data import load_dataset
+    from tafl.training.models import ModelConfig
+    from tafl.training.simulator import make_method, prepare
+
+    conf = content["config"]
+    node_cfg = dict(context.node_config)
+    key = (conf["tafl_config"], conf["preprocess"], json.dumps(node_cfg, sort_keys=True, default=str))
+    if key in _NODE_CACHE:
+        return _NODE_CACHE[key]
+    cfg = RunConfig.from_dict(json.loads(conf["tafl_config"]), "server's run config").validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)  # the run config governs threads, as in-process (results depend on it)
+    model_cfg = ModelConfig.from_dict(json.loads(conf["model_config"]))
+    pre = Preprocess.from_dict(json.loads(conf["preprocess"]))
+    class_names = json.loads(conf["class_names"])
+    if "partition-id" in node_cfg:
+        pid, n = int(node_cfg["partition-id"]), int(node_cfg.get("num-partitions", cfg.clients))
+        if n != cfg.clients:
+            raise ConfigError(f"this SuperNode is partition {pid} of {n}, but the run has {cfg.clients} clients")
+        prep = prepare(cfg)
+        data = ClientData(pid, torch.from_numpy(prep.train.images), torch.from_numpy(prep.train.labels),
+                          torch.from_numpy(prep.parts[pid]), len(class_names))
+    else:  # a site's own data, named in its node config
+        local = RunConfig.from_dict(cfg.to_dict())
+        local.update({k.replace("-", "_"): v for k, v in node_cfg.items() if k.replace("-", "_") in DATA_KEYS},
+                     "node config")
+        local.img_size, local.channels, local.imbalance_factor = pre.size, pre.channels, None
+        ds = load_dataset(local.validate())
+        if list(ds.class_names) != list(class_names):
+            raise DataError(f"this site's classes {ds.class_names} differ from the federation's {class_names}")
+        cid = int(node_cfg.get("client-id", context.node_id % (2**31)))
+        data = ClientData(cid, torch.from_numpy(ds.train.images), torch.from_numpy(ds.train.labels),
+                          torch.arange(len(ds.train)), len(class_names))
+    method = make_method(cfg, model_cfg, pre, "cpu")
+    _NODE_CACHE.clear()  # one run at a time per process
+    _NODE_CACHE[key] = (method, data)
+    return method, data
+
+
+def make_client_app():
+    from flwr.app import Message
+    from flwr.clientapp import ClientApp
+
+    ArrayRecord, ConfigRecord, MetricRecord, RecordDict = _records()
+    app = ClientApp()
+
+    @app.query()
+    def query(msg: Message, context) -> Message:
+        method, data = _client(msg.content, context)
+        stats = method.client_stats(data)
+        return Message(RecordDict({"stats": to_array_record(stats),
+                                   "meta": ConfigRecord({"client_id": int(data.client_id),
+                                                         "num_samples": int(len(data))})}), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context) -> Message:
+        method, data = _client(msg.content, context)
+        payload = from_array_record(msg.content["payload"])
+        round_cfg = json.loads(msg.content["config"]["round_cfg"])
+        t0 = time.perf_counter()
+        res = method.client_update(payload, data, round_cfg)
+        secs = time.perf_counter() - t0
+        metrics = {k: float(v) for k, v in res.metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
+        return Message(RecordDict({"weights": to_array_record(res.weights), "extras": to_array_record(res.extras),
+                                   "metrics": MetricRecord(metrics),
+                                   "meta": ConfigRecord({"client_id": int(res.client_id),
+                                                         "num_samples": int(res.num_samples),
+                                                         "seconds": float(secs)})}), reply_to=msg)
+
+    return app
+
+
+# ------------------------------------------------------------------ server side
+def parse_train_reply(msg) -> ClientResult:
+    """A ClientResult from a train reply; ValueError naming what is malformed."""
+    if msg.has_error():
+        raise ValueError(f"the node answered with an error: {msg.error.reason[:300]}")
+    content = msg.content
+    for key in ("weights", "meta"):
+        if key not in content:
+            raise ValueError(f"the reply lacks the '{key}' record")
+    meta = content["meta"]
+    for key in ("client_id", "num_samples"):
+        if key not in meta or not isinstance(meta[key], int):
+            raise ValueError(f"meta record lacks an integer '{key}'")
+    try:
+        weights = from_array_record(content["weights"])
+        extras = from_array_record(content["extras"]) if "extras" in content else {}
+    except Exception as exc:  # noqa: BLE001 - whatever a broken ArrayRecord raises
+        raise ValueError(f"arrays cannot be read ({type(exc).__name__}: {exc})") from exc
+    metrics = dict(content["metrics"]) if "metrics" in content else {}
+    metrics["seconds"] = float(meta.get("seconds", 0.0))
+    return ClientResult(int(meta["client_id"]), int(meta["num_samples"]), weights, extras, metrics)
+
+
+class FlowerTransport(Transport):
+    def __init__(self, grid, cfg: RunConfig, prep, *, timeout: float | None = None, wait_s: float | None = None):
+        self.grid, self.cfg = grid, cfg
+        self.timeout = timeout or cfg.flower_timeout
+        self.num_clients = cfg.clients
+        _, ConfigRecord, _, _ = _records()
+        self.common = {"tafl_config": json.dumps(cfg.to_dict()), "model_config": json.dumps(prep.model_cfg.to_dict()),
+                       "preprocess": json.dumps(prep.dataset.preprocess.to_dict()),
+                       "class_names": json.dumps(list(prep.dataset.class_names))}
+        self.node_of: dict[int, int] = {}
+        deadline = time.time() + (wait_s if wait_s is not None else cfg.flower_wait_s)
+        nodes = list(grid.get_node_ids())
+        while len(nodes) < cfg.clients and time.time() < deadline:
+            time.sleep(1.0)
+            nodes = list(grid.get_node_ids())
+        if not nodes:
+            raise ConfigError("no SuperNode is connected to the SuperLink")
+        if len(nodes) < cfg.clients:
+            log.warning("only %d of %d SuperNodes connected; the others' rounds will be missing", len(nodes),
+                        cfg.clients)
+        self.nodes = nodes
+
+    def _config(self, **extra: Any):
+        ConfigRecord = _records()[1]
+        return ConfigRecord({**self.common, **extra})
+
+    def _send(self, node_ids: list[int], message_type: str, content_fn) -> list:
+        from flwr.app import Message
+
+        msgs = [Message(content=content_fn(n), message_type=message_type, dst_node_id=n) for n in node_ids]
+        return list(self.grid.send_and_receive(msgs, timeout=self.timeout))
+
+    def census(self) -> dict[int, Tensors]:
+        return self._query(self.nodes, census=True)
+
+    def _query(self, node_ids: list[int], census: bool = False) -> dict[int, Tensors]:
+        RecordDict = _records()[3]
+        out: dict[int, Tensors] = {}
+        for rep in self._send(node_ids, "query", lambda n: RecordDict({"config": self._config()})):
+            node = rep.metadata.src_node_id
+            try:
+                if rep.has_error():
+                    raise ValueError(f"error: {rep.error.reason[:200]}")
+                cid = int(rep.content["meta"]["client_id"])
+                stats = from_array_record(rep.content["stats"])
+            except (KeyError, ValueError, TypeError) as exc:
+                log.warning("node %s: unusable statistics reply (%s); ignored", node, exc)
+                continue
+            if census:
+                if cid in self.node_of and self.node_of[cid] != node:
+                    log.warning("client id %d is claimed by nodes %s and %s; keeping the first", cid,
+                                self.node_of[cid], node)
+                    continue
+                self.node_of[cid] = node
+            out[cid] = stats
+        if census:
+            log.info("census: %d client(s) answered: %s", len(out), sorted(out))
+        return out
+
+    def stats(self, ids: list[int]) -> dict[int, Tensors]:
+        nodes = [self.node_of[k] for k in ids if k in self.node_of]
+        return self._query(nodes) if nodes else {}
+
+    def train(self, ids, payload, round_cfg):
+        RecordDict = _records()[3]
+        missing = [k for k in ids if k not in self.node_of]
+        if missing:
+            log.warning("clients %s have no connected SuperNode; they miss this round", missing)
+        nodes = [self.node_of[k] for k in ids if k in self.node_of]
+        rec = to_array_record(payload)
+        wire_down = rec.count_bytes() * len(nodes)
+        cfg_rec = self._config(round_cfg=json.dumps(round_cfg))
+        replies = self._send(nodes, "train", lambda n: RecordDict({"payload": rec, "config": cfg_rec}))
+        results, cost = [], {"client_s": 0.0, "uplink_bytes": 0, "downlink_bytes": tensor_bytes(payload) * len(nodes),
+                             "wire_downlink_bytes": wire_down, "wire_uplink_bytes": 0}
+        answered = set()
+        for rep in replies:
+            node = rep.metadata.src_node_id
+            answered.add(node)
+            try:
+                res = parse_train_reply(rep)
+            except ValueError as exc:
+                log.warning("round %s: node %s rejected: %s", round_cfg.get("round"), node, exc)
+                continue
+            if self.node_of.get(res.client_id) != node:
+                log.warning("round %s: node %s claims client %s it did not register; rejected", round_cfg.get("round"),
+                            node, res.client_id)
+                continue
+            cost["client_s"] += res.metrics.pop("seconds", 0.0)
+            cost["uplink_bytes"] += tensor_bytes(res.weights) + tensor_bytes(res.extras)
+            cost["wire_uplink_bytes"] += sum(r.count_bytes() for r in rep.content.values())
+            results.append(res)
+        lost = [n for n in nodes if n not in answered]
+        if lost:
+            log.warning("round %s: node(s) %s did not answer within %.0f s; the round goes on without them",
+                        round_cfg.get("round"), lost, self.timeout)
+        return results, cost
+
+
+def make_server_app(cfg: RunConfig | None = None, out: str | Path | None = None, *, resume: bool | None = None,
+                    force: bool = False):
+    """A ServerApp running `simulator.train` over Flower. Without arguments it reads the Flower run
+    config: `config` (a YAML path), `config-json` (key overrides), `out`, `resume`, `force`."""
+    from flwr.serverapp import ServerApp
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid, context) -> None:
+        from tafl.training.config import load_config
+        from tafl.training.simulator import train
+
+        rc = dict(context.run_config)
+        c = cfg
+        if c is None:
+            overrides = json.loads(rc.get("config-json", "{}") or "{}")
+            c = load_config(rc.get("config") or None, overrides)
+        o = out or rc.get("out", "runs/flower")
+        r = bool(rc.get("resume", False)) if resume is None else resume
+        f = force or bool(rc.get("force", False))
+        train(c, o, resume=r, force=f, progress=False,
+              transport_factory=lambda method, prep: FlowerTransport(grid, c, prep))
+
+    return app
+
+
+def run_flower_simulation(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool = False,
+                          num_cpus: int = 1) -> dict[str, Any]:
+    """`tafl train --engine flower`: Flower's simulation engine (Ray) on this machine."""
+    import json as _json
+
+    from flwr.simulation import run_simulation
+
+    run_simulation(server_app=make_server_app(cfg, out, resume=resume, force=force), client_app=make_client_app(),
+                   num_supernodes=cfg.clients,
+                   backend_config={"client_resources": {"num_cpus": num_cpus, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": max(num_cpus, 2), "include_dashboard": False}})
+    report = Path(out) / "report.json"
+    if not report.is_file():
+        raise ConfigError(f"the Flower simulation ended without a report in {out}; see its log above")
+    return _json.loads(report.read_text())
+
+
+server_app = make_server_app()
+client_app = make_client_app()

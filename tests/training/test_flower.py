@@ -1,0 +1,116 @@
+"""Flower: one implementation. Simulation engine == in-process; loopback deployment; faults; resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
+
+from tafl.training.checkpoint import load_checkpoint  # noqa: E402
+from tafl.training.config import load_config  # noqa: E402
+from tafl.training.flower import parse_train_reply, run_flower_simulation  # noqa: E402
+from tafl.training.flower_local import LocalFederation  # noqa: E402
+from tafl.training.simulator import train  # noqa: E402
+from tests.conftest import CONFIGS, SMOKE_GTAFL  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+FLOWER_SMOKE = {"clients": 3, "frac": 1.0, "rounds": 2, "threads": 1}
+
+
+def _cfg(method: str):
+    extra = SMOKE_GTAFL if method == "gtafl" else {"method": method}
+    return load_config(CONFIGS / "smoke.yaml", {**FLOWER_SMOKE, **extra})
+
+
+def _state(path):
+    return load_checkpoint(path)["state"]
+
+
+@pytest.mark.parametrize("method", ["fedavg", "gtafl"])
+def test_flower_simulation_equals_in_process(tmp_path, method, monkeypatch):
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    train(_cfg(method), tmp_path / "inproc", progress=False)
+    run_flower_simulation(_cfg(method), tmp_path / "flower")
+    a, b = _state(tmp_path / "inproc" / "final.pt"), _state(tmp_path / "flower" / "final.pt")
+    for part in ("weights", "extras"):
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            assert torch.allclose(a[part][k].float(), b[part][k].float(), atol=1e-6), (part, k)
+    rep = json.loads((tmp_path / "flower" / "report.json").read_text())
+    assert rep["communication"]["wire_uplink_bytes"] >= rep["communication"]["uplink_bytes"]
+
+
+def test_restarted_server_app_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    cfg = _cfg("fedavg")
+    train(cfg, tmp_path / "ref", progress=False)
+    cfg.rounds = 1
+    run_flower_simulation(cfg, tmp_path / "fl")  # the ServerApp stops after round 1 ...
+    cfg.rounds = 2
+    run_flower_simulation(cfg, tmp_path / "fl", resume=True)  # ... and a new one continues
+    a, b = _state(tmp_path / "ref" / "final.pt"), _state(tmp_path / "fl" / "final.pt")
+    assert all(torch.allclose(a["weights"][k].float(), b["weights"][k].float(), atol=1e-6) for k in a["weights"])
+    hist = json.loads((tmp_path / "fl" / "report.json").read_text())["history"]
+    assert [h["round"] for h in hist] == [1, 2]
+
+
+def _reply(content: RecordDict) -> Message:
+    msg = Message(content=RecordDict(), message_type="train", dst_node_id=1)
+    return Message(content=content, reply_to=msg)
+
+
+def test_malformed_records_are_rejected_with_a_reason():
+    good = RecordDict({"weights": ArrayRecord(torch_state_dict={"w": torch.ones(2)}),
+                       "meta": ConfigRecord({"client_id": 3, "num_samples": 10, "seconds": 0.5})})
+    res = parse_train_reply(_reply(good))
+    assert res.client_id == 3 and res.num_samples == 10 and torch.equal(res.weights["w"], torch.ones(2))
+    with pytest.raises(ValueError, match="lacks the 'weights' record"):
+        parse_train_reply(_reply(RecordDict({"meta": ConfigRecord({"client_id": 3, "num_samples": 1})})))
+    with pytest.raises(ValueError, match="integer 'num_samples'"):
+        parse_train_reply(_reply(RecordDict({"weights": ArrayRecord(), "meta": ConfigRecord({"client_id": 3})})))
+
+
+def _yaml(path, cfg: dict):
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_loopback_deployment_gtafl_exports_and_survives_a_killed_node(tmp_path):
+    base = {**_cfg("gtafl").to_dict(), "flower_timeout": 40.0, "flower_wait_s": 60.0}
+    cfg_file = _yaml(tmp_path / "cfg.yaml", base)
+    with LocalFederation(3, tmp_path / "flwr") as fed:
+        out = tmp_path / "run"
+        r = fed.run({"config": str(cfg_file), "out": str(out), "force": True}, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert (out / "final.pt").is_file(), r.stdout[-2000:]
+        from tafl.packaging.export import export_checkpoint
+
+        pkg = export_checkpoint(out / "final.pt", tmp_path / "pkg")
+        assert pkg.expert_names == ["forward", "uniform", "backward"]
+
+        # a node killed once the second run has started: its rounds go on with the other two
+        out2 = tmp_path / "run2"
+        killer = threading.Thread(target=lambda: (_wait_for(out2 / "run.json"), time.sleep(4), fed.kill_node(2)))
+        killer.start()
+        r2 = fed.run({"config": str(cfg_file), "out": str(out2), "force": True}, timeout=600)
+        killer.join()
+        assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-2000:]
+        hist = json.loads((out2 / "report.json").read_text())["history"]
+        assert len(hist) == 2 and any(2 in h["dropped"] for h in hist), hist
+
+
+def _wait_for(path, timeout=120):
+    deadline = time.time() + timeout
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.2)
