@@ -67,6 +67,10 @@ def main() -> None:
         "head_middle_tail": {n: {g: report["test_distributions"][n][g] for g in ("head", "middle", "tail")}
                              for n in ("forward50", "uniform", "backward50")},
         "uniform_metrics": {k: v for k, v in report["uniform_metrics"].items() if k != "per_class"},
+        "per_class_recall": dict(zip(report["class_names"], report["uniform_metrics"]["per_class"]["recall"])),
+        "class_ranks": dict(zip(report["class_names"], report["class_ranks"])),
+        "natural_metrics": {k: v for k, v in report.get("natural_metrics", {}).items() if k != "per_class"},
+        "experts": {e: {n: d[n]["accuracy"] for n in DISTRIBUTION_NAMES} for e, d in (report.get("experts") or {}).items()},
         "validation": report["validation"],
     }
     res_dir = REPO / "benchmarks" / "results"

@@ -1,0 +1,121 @@
+"""Service latency and throughput against ONNX Runtime in-process (the ceiling), and worker memory.
+
+    python benchmarks/serving_bench.py PKG [PKG2]   (default: the DermaMNIST benchmark packages
+                                                      exported to benchmarks/out/pkg_*)
+
+28x28 PNGs (DermaMNIST test images) are posted to a real `bentoml serve` on 127.0.0.1 at
+concurrency 1, 8 and 32; the ceiling is the same decode + preprocessing + ONNX Runtime work done
+in-process, batched by 32. Target (issue 6): at concurrency 32 the service reaches at least 70 % of
+the in-process throughput; one worker with two small packages stays under 1 GiB resident.
+The load generator shares the 2 cores with the service, which the numbers include.
+Writes benchmarks/results/serving.{json,md}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tafl.packaging import load_package  # noqa: E402
+from tafl.serving.decode import decode_image  # noqa: E402
+from tafl.serving.launch import ServerProcess  # noqa: E402
+
+N_REQUESTS = 400
+
+
+def images(n: int) -> list[bytes]:
+    z = np.load(REPO.parent / "shared" / "data" / "medmnist" / "dermamnist.npz")
+    out = []
+    for a in z["test_images"][:n]:
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, "PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def in_process(pkg_dir: Path, data: list[bytes], batch: int = 32) -> dict:
+    pkg = load_package(pkg_dir)
+    sess = pkg.session(["CPUExecutionProvider"], threads=2)
+    pre = pkg.preprocess
+    pkg.run(sess, pre.normalize(np.stack([pre.to_uint8(decode_image(d).frames[0]) for d in data[:batch]])))  # warm
+    t0 = time.perf_counter()
+    for s in range(0, len(data), batch):
+        x = pre.normalize(np.stack([pre.to_uint8(decode_image(d).frames[0]) for d in data[s:s + batch]]))
+        pkg.run(sess, x)
+    dt = time.perf_counter() - t0
+    return {"throughput_img_s": len(data) / dt, "batch": batch}
+
+
+async def load(url: str, data: list[bytes], concurrency: int, model: str | None) -> dict:
+    lat: list[float] = []
+    errors = 0
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def one(d: bytes):
+            nonlocal errors
+            async with sem:
+                t = time.perf_counter()
+                r = await client.post(url + "/predict", files={"file": ("x.png", d, "image/png")},
+                                      data={"model": model} if model else None)
+                lat.append(time.perf_counter() - t)
+                errors += r.status_code != 200
+        await asyncio.gather(*(one(data[i % len(data)]) for i in range(20)))  # warm-up
+        lat.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(data[i % len(data)]) for i in range(N_REQUESTS)))
+        wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "requests": N_REQUESTS, "errors": errors, "throughput_img_s": N_REQUESTS / wall,
+            "p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * float(np.percentile(lat, 99))}
+
+
+def worker_rss_mib(proc: psutil.Process) -> float:
+    return max((c.memory_info().rss for c in [proc, *proc.children(recursive=True)]), default=0) / 2**20
+
+
+def main() -> None:
+    pkgs = [Path(p) for p in sys.argv[1:]] or sorted((REPO / "benchmarks" / "out").glob("pkg_*"))[:2]
+    if not pkgs:
+        sys.exit("give package folders (tafl export ... --out benchmarks/out/pkg_NAME)")
+    data = images(256)
+    ceiling = in_process(pkgs[0], data)
+    with ServerProcess([str(p) for p in pkgs], log_path=REPO / "benchmarks" / "out" / "serving_bench.log") as srv:
+        ps = psutil.Process(srv.proc.pid)
+        rows = [asyncio.run(load(srv.url, data, c, None)) for c in (1, 8, 32)]
+        rss = worker_rss_mib(ps)
+        providers = httpx.get(srv.url + "/models").json()["models"][0]["providers"]
+    c32 = next(r for r in rows if r["concurrency"] == 32)
+    out = {"date": time.strftime("%Y-%m-%d"), "packages": [load_package(p).metadata["name"] + " " +
+                                                           load_package(p).version for p in pkgs],
+           "providers": providers, "image": "28x28 RGB PNG (DermaMNIST test)", "in_process": ceiling,
+           "service": rows, "ratio_c32_vs_in_process": c32["throughput_img_s"] / ceiling["throughput_img_s"],
+           "largest_process_rss_mib": rss, "targets": {"ratio_c32_vs_in_process": ">= 0.70", "rss_mib": "< 1024"}}
+    res = REPO / "benchmarks" / "results"
+    (res / "serving.json").write_text(json.dumps(out, indent=2))
+    lines = [f"# Serving ({out['date']}, providers {providers}, {', '.join(out['packages'])})", "",
+             f"In-process ceiling (decode + preprocess + ONNX Runtime, batch 32): "
+             f"{ceiling['throughput_img_s']:.0f} img/s", "",
+             "| concurrency | images/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['throughput_img_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                     f"{r['errors']} |")
+    lines += ["", f"Concurrency 32 / in-process: {out['ratio_c32_vs_in_process']:.2f} (target ≥ 0.70); largest "
+                  f"service process RSS {rss:.0f} MiB (target < 1024)."]
+    (res / "serving.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
