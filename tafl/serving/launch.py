@@ -53,6 +53,23 @@ def serve(packages: list[str], host: str = "127.0.0.1", port: int = 3000, token:
         return proc.wait()
 
 
+def stop_group(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
+    """SIGTERM a process started with start_new_session=True and its group; SIGKILL after `grace` s."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
 class ServerProcess:
     """`bentoml serve` in its own process group on 127.0.0.1, ready when /readyz answers 200."""
 
@@ -85,16 +102,7 @@ class ServerProcess:
         raise ServiceUnavailable(f"the service was not ready within {timeout:.0f} s")
 
     def stop(self, grace: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        stop_group(self.proc, grace)
 
     def __enter__(self) -> ServerProcess:
         return self.start()

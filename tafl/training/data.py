@@ -22,6 +22,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from tafl.errors import DataError
+from tafl.packaging.package import sha256_file
 from tafl.packaging.preprocess import Preprocess
 from tafl.training.config import RunConfig
 
@@ -147,7 +148,7 @@ def _load_medmnist(flag: str, cfg: RunConfig):
                         f"check that {npz.name} is a complete MedMNIST npz or that the network is reachable") from exc
     names = [info["label"][str(i)] for i in range(len(info["label"]))]
     channels = int(info["n_channels"])
-    prov = {"source": f"medmnist:{flag}", "file": str(npz), "sha256": _sha256_file(npz),
+    prov = {"source": f"medmnist:{flag}", "file": str(npz), "sha256": sha256_file(npz),
             "medmnist_version": getattr(medmnist, "__version__", "unknown")}
     return splits, names, channels, prov
 
@@ -176,7 +177,7 @@ def _load_folder(cfg: RunConfig):
     labels = np.array([index[n] for n in label_names], np.int64)
     files = _resolve_files(image_dir, ids)
 
-    csv_sha = _sha256_file(csv_path)
+    csv_sha = sha256_file(csv_path)
     side = cfg.img_size or 64
     channels = cfg.channels or 3
     cache = _cache_path(cfg, f"{csv_sha}:{image_dir.resolve()}:{side}:{channels}")
@@ -287,14 +288,6 @@ def _holdout(idx: np.ndarray, labels: np.ndarray, groups: np.ndarray | None, fra
     sgkf = StratifiedGroupKFold(n_splits=n_splits, shuffle=True, random_state=seed)
     kept, held = next(sgkf.split(idx, labels, groups))
     return idx[held], idx[kept]
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def index_hash(name: str, ids: np.ndarray, labels: np.ndarray) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tafl.serving.launch import free_port
+from tafl.serving.launch import free_port, stop_group
 
 APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "flower"
 
@@ -83,15 +83,7 @@ class LocalFederation:
 
     def stop(self) -> None:
         for p in [*self.supernodes, self.link]:
-            if p is not None and p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(10)
-                except (subprocess.TimeoutExpired, ProcessLookupError):
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            stop_group(p)
 
     def __enter__(self) -> LocalFederation:
         return self.start()
