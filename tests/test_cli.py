@@ -111,3 +111,17 @@ def test_kill_then_resume_and_eval(tmp_path):
     res = run("eval", str(out / "final.pt"), "--out", str(tmp_path / "ev"))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "ev" / "report.json").is_file() and (tmp_path / "ev" / "accuracy.png").is_file()
+
+
+@pytest.mark.slow
+def test_demo_trains_exports_serves_and_answers(tmp_path):
+    """The README's main command: GTAFL on digits, the verified package, the service, one real call."""
+    res = subprocess.run([*TAFL, "demo", "--out", str(tmp_path / "demo"), "--no-progress", "--serve-seconds", "0"],
+                         capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert "gtafl on digits: mean prior-weighted accuracy" in out
+    assert "tafl-demo 1.0.0: 3 experts, hard vote" in out
+    assert "digit_3.png -> class" in out and "curl -s -F file=@" in out
+    assert (tmp_path / "demo" / "package" / "model.onnx").is_file()
+    assert (tmp_path / "demo" / "run" / "report.json").is_file()

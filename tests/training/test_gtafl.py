@@ -180,6 +180,15 @@ def test_gtafl_two_rounds_end_to_end(tmp_path, smoke_cfg):
 
 
 @pytest.mark.slow
+def test_ablation_without_classifier_retraining_predicts_with_the_fedavg_head(tmp_path, smoke_cfg):
+    report = train(_smoke(smoke_cfg, "gtafl", cr=False, rounds=1), tmp_path / "nocr", progress=False)
+    assert report["switches"] == {"cr": False, "en": False, "cl": True, "gs": True}
+    assert "experts" not in report or not report["experts"]
+    st = load_checkpoint(tmp_path / "nocr" / "final.pt")["state"]
+    assert "expert.weight" not in st["extras"] and st["meta"]["experts"] == []
+
+
+@pytest.mark.slow
 def test_gtafl_resume_after_kill_loses_nothing(tmp_path, smoke_cfg):
     cfg = _smoke(smoke_cfg, "gtafl", rounds=3)
     train(cfg, tmp_path / "full", progress=False)

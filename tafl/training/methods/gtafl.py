@@ -50,7 +50,6 @@ def gigds_class_weights(local_counts: torch.Tensor, global_counts: torch.Tensor,
 
 class GTAFL(Method):
     name = "gtafl"
-    output_keys = ("probs", "label", "expert_labels", "expert_probs")
 
     def __init__(self, cfg, model_cfg, preprocess, device="cpu"):
         super().__init__(cfg, model_cfg, preprocess, device)
@@ -61,6 +60,10 @@ class GTAFL(Method):
     @staticmethod
     def switches(cfg) -> tuple[bool, bool, bool, bool]:
         return cfg.cr, cfg.cr and cfg.en, cfg.cl, cfg.gs
+
+    @property
+    def output_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("probs", "label", "expert_labels", "expert_probs") if self.cr else ("probs", "label")
 
     def attach_server_pool(self, images_u8: torch.Tensor | None) -> None:
         self.pool = images_u8
