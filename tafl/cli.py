@@ -417,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--package", help="score in-process with ONNX Runtime from a package folder")
     sc.add_argument("--model", help="package name on the service (default: its first)")
     sc.add_argument("--token", help="bearer token (default $TAFL_API_TOKEN)")
-    sc.add_argument("--concurrency", type=int, default=8, help="requests in flight (remote)")
-    sc.add_argument("--batch-size", type=int, default=32, help="images per ONNX Runtime call (in-process)")
+    sc.add_argument("--concurrency", type=int, default=4, help="requests in flight (remote)")
+    sc.add_argument("--batch-size", type=int, default=16,
+                    help="images per request (remote, at most 64) or per ONNX Runtime call (in-process)")
     sc.add_argument("--resume", action="store_true", help="continue an interrupted job, scoring nothing twice")
     sc.add_argument("--force", action="store_true", help="replace an existing results file")
     sc.add_argument("--no-progress", action="store_true")

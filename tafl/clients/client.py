@@ -162,6 +162,20 @@ class Client(_Base):
         files, data = self._form(image, model, heatmap)
         return Prediction.from_json(self._call("POST", "/predict", files=files, data=data).json())
 
+    def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None
+                      ) -> list[Prediction | ServiceCallError]:
+        """One request for several images; each comes back as a Prediction or the error for that image."""
+        files = [("file", (name, data, "application/octet-stream")) for name, data in map(_payload, images)]
+        body = self._call("POST", "/predict/batch", files=files, data={"model": model} if model else None).json()
+        out: list[Prediction | ServiceCallError] = []
+        for item in body["results"]:
+            if "error" in item:
+                e = item["error"]
+                out.append(ServiceCallError(e["status"], e["message"], e.get("code", ""), body.get("request_id")))
+            else:
+                out.append(Prediction.from_json({**item, "model": body["model"], "request_id": body["request_id"]}))
+        return out
+
     def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:
         files, data = self._form(image, model, False)
         return self._call("POST", "/heatmap", files=files, data=data).content

@@ -136,42 +136,55 @@ class ResultsFile:
 
 # ------------------------------------------------------------------ scorers
 class RemoteScorer:
-    def __init__(self, url: str, token: str | None, model: str | None, concurrency: int):
+    """Through the service: batches of images per request, a bounded number of requests in flight."""
+
+    def __init__(self, url: str, token: str | None, model: str | None, concurrency: int, batch_size: int = 16):
         from tafl.clients.client import Client
 
         # retries with backoff ride out a service restart (about 10 s here) without losing the job
         self.client = Client(url, token=token, max_connections=max(concurrency, 1), retries=6, backoff=0.5)
-        self.model, self.concurrency = model, concurrency
+        self.model, self.concurrency, self.batch_size = model, concurrency, max(1, batch_size)
         models = self.client.models()
         meta = next((m["metadata"] for m in models if m["name"] == model), models[0]["metadata"]) if models else None
         if meta is None:
             raise DataError(f"{url} serves no model")
         self.meta = meta
 
-    def score(self, paths: list[Path], rel: Callable[[Path], str]) -> Iterator[Row]:
+    def _chunk(self, paths: list[Path], rel: Callable[[Path], str]) -> list[Row]:
         from tafl.clients.client import ServiceCallError
 
-        def one(p: Path) -> Row:
+        rows: dict[Path, Row] = {}
+        readable = []
+        for p in paths:
             try:
-                r = self.client.predict(p, model=self.model)
+                readable.append((p, p.read_bytes()))
+            except OSError as exc:
+                rows[p] = Row(rel(p), error=f"unreadable: {exc.strerror or exc}")
+        if readable:
+            try:
+                answers = self.client.predict_batch([d for _, d in readable], model=self.model)
             except ServiceCallError as exc:
-                if exc.status == 0 or exc.status >= 500 or exc.status == 401:
-                    raise  # the service, not the file, failed: stop the job
-                return Row(rel(p), error=f"{exc.status} {exc.code}: {exc.detail}")
-            return Row(rel(p), r.label, r.class_name, r.probability, {e.name: e.class_name for e in r.experts},
-                       r.model["name"], r.model["version"])
+                if exc.status == 0 or exc.status >= 500 or exc.status in (401, 404):
+                    raise  # the service, not the files, failed: stop the job (the file stays resumable)
+                answers = [exc] * len(readable)
+            for (p, _), a in zip(readable, answers):
+                if isinstance(a, ServiceCallError):
+                    rows[p] = Row(rel(p), error=f"{a.status} {a.code}: {a.detail}")
+                else:
+                    rows[p] = Row(rel(p), a.label, a.class_name, a.probability,
+                                  {e.name: e.class_name for e in a.experts}, a.model["name"], a.model["version"])
+        return [rows[p] for p in paths]
 
+    def score(self, paths: list[Path], rel: Callable[[Path], str]) -> Iterator[Row]:
+        chunks = [paths[i:i + self.batch_size] for i in range(0, len(paths), self.batch_size)]
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            pending: set[concurrent.futures.Future] = set()
-            it = iter(paths)
-            for p in it:  # keep at most `concurrency` requests in flight
-                pending.add(pool.submit(one, p))
-                if len(pending) >= self.concurrency:
-                    done, pending = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
-                    for f in done:
-                        yield f.result()
-            for f in concurrent.futures.as_completed(pending):
-                yield f.result()
+            pending: list[concurrent.futures.Future] = []
+            for chunk in chunks:  # at most `concurrency` requests in flight; rows come out in order
+                pending.append(pool.submit(self._chunk, chunk, rel))
+                while len(pending) >= self.concurrency:
+                    yield from pending.pop(0).result()
+            for f in pending:
+                yield from f.result()
 
     def close(self) -> None:
         self.client.close()
@@ -222,7 +235,7 @@ class LocalScorer:
 
 # ------------------------------------------------------------------ the job
 def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None, package: str | None = None,
-                 token: str | None = None, model: str | None = None, concurrency: int = 8, batch_size: int = 32,
+                 token: str | None = None, model: str | None = None, concurrency: int = 4, batch_size: int = 16,
                  resume: bool = False, force: bool = False, progress: bool | None = None,
                  on_row: Callable[[Row], None] | None = None) -> dict[str, Any]:
     folder, out = Path(folder), Path(out)
@@ -233,7 +246,7 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     images, skipped = walk(folder)
     if not images:
         raise DataError(f"{folder} holds no DICOM, PNG or JPEG files ({len(skipped)} other file(s) skipped)")
-    scorer: RemoteScorer | LocalScorer = (RemoteScorer(url, token, model, concurrency) if url
+    scorer: RemoteScorer | LocalScorer = (RemoteScorer(url, token, model, concurrency, min(batch_size, 64)) if url
                                           else LocalScorer(package, batch_size))
     experts = [e["name"] for e in scorer.meta.get("experts", [])]
     results = ResultsFile(out, experts, resume=resume, force=force)

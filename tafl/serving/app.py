@@ -49,6 +49,7 @@ class Settings:
     max_upload_bytes: int = 50 * 2**20
     max_pixels: int = 50_000_000
     max_frames: int = 64
+    max_batch_files: int = 64  # images in one /predict/batch request
     timeout_s: float = 30.0
     max_batch: int = 64
     batch_wait_ms: float = 2.0
@@ -64,6 +65,7 @@ class Settings:
                    max_upload_bytes=int(float(env.get("TAFL_MAX_UPLOAD_MB", "50")) * 2**20),
                    max_pixels=int(float(env.get("TAFL_MAX_PIXELS", "50000000"))),
                    max_frames=int(env.get("TAFL_MAX_FRAMES", "64")),
+                   max_batch_files=int(env.get("TAFL_MAX_BATCH_FILES", "64")),
                    timeout_s=float(env.get("TAFL_REQUEST_TIMEOUT_S", "30")),
                    max_batch=int(env.get("TAFL_MAX_BATCH", "64")),
                    batch_wait_ms=float(env.get("TAFL_BATCH_WAIT_MS", "2")),
@@ -128,26 +130,29 @@ def _flag(value: Any, name: str) -> bool:
     raise BadRequest(f"option '{name}' must be true or false, got {str(value)[:20]!r}")
 
 
-async def _upload(request: Request) -> tuple[bytes, dict[str, str]]:
-    """The file bytes and the options, from multipart form data or a raw image body."""
+async def _upload(request: Request, max_files: int = 1) -> tuple[list[bytes], dict[str, str]]:
+    """The files' bytes and the options, from multipart form data (field 'file', repeated for a batch)
+    or a raw image body."""
     limit = state.settings.max_upload_bytes
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     options = {k: v for k, v in request.query_params.items()}
     if ctype == "multipart/form-data":
         await _read_body(request, limit)
         try:
-            form = await request.form(max_files=4, max_fields=20, max_part_size=limit)
+            form = await request.form(max_files=max_files + 3, max_fields=20, max_part_size=limit)
         except Exception as exc:  # noqa: BLE001 - python-multipart's parse errors
-            raise BadRequest(f"the multipart body could not be parsed ({type(exc).__name__}); send the image in "
-                             "the form field 'file'") from exc
+            raise BadRequest(f"the multipart body could not be parsed ({type(exc).__name__}: {str(exc)[:80]}); "
+                             "send the image in the form field 'file'") from exc
         try:
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
+            uploads = [u for u in form.getlist("file") if not isinstance(u, str)]
+            if not uploads:
                 names = [k for k in form.keys()]
                 raise BadRequest("no file in the multipart field 'file'" +
                                  (f" (fields received: {', '.join(sorted(set(names))[:10])})" if names else "") +
                                  "; send the image as -F file=@image.dcm")
-            data = await upload.read()
+            if len(uploads) > max_files:
+                raise BadRequest(f"{len(uploads)} files in one request; send at most {max_files}")
+            data = [await u.read() for u in uploads]
             for key, value in form.multi_items():
                 if key != "file" and isinstance(value, str):
                     options[key] = value
@@ -155,7 +160,7 @@ async def _upload(request: Request) -> tuple[bytes, dict[str, str]]:
             await form.close()
         return data, options
     if ctype in RAW_TYPES or ctype.startswith("image/"):
-        return await _read_body(request, limit), options
+        return [await _read_body(request, limit)], options
     raise UnsupportedMedia(f"content type '{ctype or 'none'}' is not accepted: send multipart/form-data with the "
                            "image in the field 'file', or the raw image as image/png, image/jpeg or application/dicom")
 
@@ -217,7 +222,8 @@ def _overlay_png(frame: np.ndarray, heat: np.ndarray, max_side: int = 1024) -> b
 
 async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     _check_auth(request, state.settings.token)
-    data, options = await _upload(request)
+    files, options = await _upload(request)
+    data = files[0]
     audit["bytes"] = len(data)
     model = state.registry.get(options.get("model"))
     audit.update(model=model.name, version=model.package.version)
@@ -300,6 +306,64 @@ async def heatmap(request: Request) -> Response:
     return _fail(exc, rid, audit, start)
 
 
+def _decode_or_error(data: bytes, s: Settings):
+    try:
+        return decode_image(data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels, max_frames=s.max_frames)
+    except ServiceError as exc:
+        return exc
+
+
+async def predict_batch(request: Request) -> Response:
+    """Several images in one request (the field 'file', repeated): one result or error per image, in
+    order. Batch scoring uses it to spread the cost of a request over many images."""
+    rid = uuid.uuid4().hex[:16]
+    start = time.perf_counter()
+    audit: dict[str, Any] = {"request_id": rid, "route": "/predict/batch"}
+    s = state.settings
+
+    async def core():
+        _check_auth(request, s.token)
+        files, options = await _upload(request, s.max_batch_files)
+        model = state.registry.get(options.get("model"))
+        audit.update(model=model.name, version=model.package.version, files=len(files),
+                     bytes=sum(len(f) for f in files))
+        if _flag(options.get("heatmap", "false"), "heatmap"):
+            raise BadRequest("heatmaps are not returned in batches; call /predict or /heatmap per image")
+        decoded = await asyncio.to_thread(lambda: [_decode_or_error(f, s) for f in files])
+        frames = [d.frames for d in decoded if not isinstance(d, Exception)]
+        out = await _infer(model, [f for fs in frames for f in fs]) if frames else {}
+        return model, decoded, out
+
+    try:
+        model, decoded, out = await asyncio.wait_for(core(), s.timeout_s)
+        results, row = [], 0
+        for i, d in enumerate(decoded):
+            if isinstance(d, Exception):
+                results.append({"index": i, "error": {"status": d.status, "code": type(d).__name__,
+                                                      "message": d.message}})
+                continue
+            per = [_frame_result(model, out, row + j) for j in range(len(d.frames))]
+            row += len(d.frames)
+            item = {"index": i, **per[0], "input": {"kind": d.kind, "frames": len(d.frames)}}
+            if len(per) > 1:
+                item["frames"] = [{"frame": j, **r} for j, r in enumerate(per)]
+            results.append(item)
+            if state.counter is not None:
+                for r in per:
+                    state.counter.labels(model=model.name, version=model.package.version,
+                                         class_name=r["class_name"]).inc()
+        timing = 1000 * (time.perf_counter() - start)
+        _audit(**audit, status=200, errors=sum("error" in r for r in results), timing_ms=round(timing, 2))
+        return JSONResponse({"request_id": rid, "model": {"name": model.name, "version": model.package.version,
+                                                         "method": model.package.metadata["method"]},
+                             "results": results, "timing_ms": {"total": timing}}, headers={"X-Request-ID": rid})
+    except asyncio.TimeoutError:
+        exc: Exception = ServiceUnavailable(f"the request took longer than {s.timeout_s:g} s; send fewer images")
+    except Exception as e:  # noqa: BLE001
+        exc = e
+    return _fail(exc, rid, audit, start)
+
+
 async def models(request: Request) -> Response:
     rid = uuid.uuid4().hex[:16]
     try:
@@ -341,6 +405,7 @@ async def _method_not_allowed(request: Request) -> Response:
 
 app = Starlette(routes=[
     Route("/predict", predict, methods=["POST"]),
+    Route("/predict/batch", predict_batch, methods=["POST"]),
     Route("/heatmap", heatmap, methods=["POST"]),
     Route("/models", models, methods=["GET"]),
     Route("/admin/reload", reload, methods=["POST"]),

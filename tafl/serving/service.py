@@ -24,7 +24,10 @@ PREDICTED = bentoml.metrics.Counter(
 )
 
 
-@bentoml.service(name="tafl", resources={"gpu": 1}, traffic={"timeout": 120, "concurrency": 64}, workers=1)
+@bentoml.service(name="tafl", resources={"gpu": 1}, traffic={"timeout": 120, "concurrency": 64}, workers=1,
+                 # the audit log already writes one JSON line per request; BentoML's access log and
+                 # tracing would cost as much CPU again on a small machine
+                 logging={"access": {"enabled": False}}, tracing={"sample_rate": 0.0})
 @bentoml.asgi_app(app, path="/")
 class TaflService:
     def __init__(self) -> None:

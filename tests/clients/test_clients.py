@@ -88,6 +88,8 @@ def test_client_against_the_service(server, tmp_path):
         assert p.model["name"] == "derm-gtafl" and len(p.experts) == 3 and p.heatmap is not None
         assert p.heatmap.png.startswith(b"\x89PNG") and p.heatmap.shape == (16, 16)
         assert {m["name"] for m in c.models()} == {"derm-gtafl", "derm-dafl"}
+        many = c.predict_batch([digit_png(4), b"junk", digit_png(5)])
+        assert many[0].label == p.label and isinstance(many[1], ServiceCallError) and many[1].status == 415
         d = c.predict(digit_png(4), model="derm-dafl")
         assert d.experts == [] and d.model_version == "1.0.0"
         with pytest.raises(ServiceCallError) as e:
@@ -154,7 +156,8 @@ def _rows(path: Path) -> list[dict]:
 
 def test_score_remote_and_in_process_agree(server, gtafl_pkg, tmp_path):
     folder = _image_folder(tmp_path)
-    remote = score_folder(folder, tmp_path / "remote.csv", url=server.url, concurrency=8, progress=False)
+    remote = score_folder(folder, tmp_path / "remote.csv", url=server.url, concurrency=4, batch_size=16,
+                          progress=False)
     local = score_folder(folder, tmp_path / "local.jsonl", package=str(gtafl_pkg), batch_size=32, progress=False)
     r = {x["path"]: x for x in _rows(tmp_path / "remote.csv")}
     l = {json.loads(x)["path"]: json.loads(x) for x in (tmp_path / "local.jsonl").read_text().splitlines()}

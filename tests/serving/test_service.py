@@ -203,3 +203,22 @@ def test_no_patient_data_in_responses_or_audit_log(server, audit_file):
         for s in secrets:
             assert s not in text
     assert not re.search(r"CompressedSamples", audit_file.read_text())
+
+
+def test_batch_endpoint_answers_each_image_in_order(server):
+    ct = open(pydicom.data.get_testdata_file("CT_small.dcm"), "rb").read()
+    files = [("file", ("a.png", digit_png(0), "image/png")), ("file", ("b.txt", b"not an image", "text/plain")),
+             ("file", ("c.dcm", ct, "application/dicom")), ("file", ("d.png", digit_png(7), "image/png"))]
+    r = httpx.post(f"{server.url}/predict/batch", files=files, timeout=60)
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert [x["index"] for x in res] == [0, 1, 2, 3]
+    assert res[1]["error"]["status"] == 415 and "label" not in res[1]
+    single = [post(server, digit_png(i)).json()["label"] for i in (0, 7)]
+    assert [res[0]["label"], res[3]["label"]] == single
+    assert res[2]["input"]["kind"] == "dicom" and len(res[0]["experts"]) == 3
+    too_many = [("file", (f"{i}.png", digit_png(i), "image/png")) for i in range(65)]
+    r = httpx.post(f"{server.url}/predict/batch", files=too_many, timeout=60)
+    assert r.status_code == 400 and "at most 64" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/predict/batch", files=files[:1], data={"heatmap": "true"}, timeout=60)
+    assert r.status_code == 400
