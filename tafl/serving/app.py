@@ -183,9 +183,19 @@ def _audit(**fields: Any) -> None:
 
 
 # ------------------------------------------------------------------ inference
+INLINE_BYTES = 256 * 1024  # smaller work runs on the event loop: a thread hop costs more than the work
+
+
+async def _off_loop(size: int, fn, *args, **kw):
+    """Run `fn` in a worker thread when it is big enough to stall other requests, else inline."""
+    if size <= INLINE_BYTES:
+        return fn(*args, **kw)
+    return await asyncio.to_thread(fn, *args, **kw)
+
+
 async def _infer(model: LoadedModel, frames: list[np.ndarray]) -> dict[str, np.ndarray]:
     pre = model.package.preprocess
-    x = await asyncio.to_thread(pre, frames)
+    x = await _off_loop(sum(f.size for f in frames), pre, frames)
     model.in_flight += 1
     try:
         return await model.batcher.submit(x)
@@ -230,7 +240,7 @@ async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     want_heat = _flag(options.get("heatmap", "false"), "heatmap")
     s = state.settings
     t0 = time.perf_counter()
-    decoded = await asyncio.to_thread(decode_image, data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels,
+    decoded = await _off_loop(len(data), decode_image, data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels,
                                       max_frames=s.max_frames)
     t1 = time.perf_counter()
     out = await _infer(model, decoded.frames)
