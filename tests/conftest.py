@@ -105,11 +105,14 @@ def server(gtafl_pkg, dafl_pkg, bentoml_home, audit_file, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def auth_server(gtafl_pkg, bentoml_home, tmp_path_factory):
+def auth_server(gtafl_pkg, tmp_path_factory):
     from tafl.serving.launch import ServerProcess
 
+    # its own BENTOML_HOME: BentoML keeps (and clears at start) its Prometheus files in
+    # $BENTOML_HOME/prometheus_multiproc_dir, so two services must not share one
     log = tmp_path_factory.mktemp("svc_auth") / "service.log"
-    with ServerProcess([str(gtafl_pkg)], token=TOKEN, env={"BENTOML_HOME": str(bentoml_home)}, log_path=log) as srv:
+    home = tmp_path_factory.mktemp("bentoml_home_auth")
+    with ServerProcess([str(gtafl_pkg)], token=TOKEN, env={"BENTOML_HOME": str(home)}, log_path=log) as srv:
         yield srv
 
 

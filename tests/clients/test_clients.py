@@ -222,9 +222,9 @@ def test_kill_part_way_then_resume_scores_each_image_once(server, tmp_path):
     assert all(x["model_version"] == "1.0.0" or x["error"] for x in rows)
 
 
-def test_scoring_survives_a_server_restart(gtafl_pkg, bentoml_home, tmp_path):
+def test_scoring_survives_a_server_restart(gtafl_pkg, tmp_path):
     port = free_port()
-    env = {"BENTOML_HOME": str(bentoml_home)}
+    env = {"BENTOML_HOME": str(tmp_path / "bentoml")}  # one BENTOML_HOME per service (Prometheus files)
     folder = tmp_path / "imgs"
     folder.mkdir()
     for i in range(120):
@@ -254,7 +254,7 @@ def test_scoring_survives_a_server_restart(gtafl_pkg, bentoml_home, tmp_path):
         srv2.stop()
 
 
-def test_retrain_export_reload_loop(gtafl_pkg, bentoml_home, tmp_path):
+def test_retrain_export_reload_loop(gtafl_pkg, tmp_path):
     cfg = tmp_path / "more.yaml"
     cfg.write_text("rounds: 1\nseed: 11\n")
     run = tmp_path / "retrain"
@@ -268,7 +268,7 @@ def test_retrain_export_reload_loop(gtafl_pkg, bentoml_home, tmp_path):
     assert r.returncode == 0, r.stderr
     meta = json.loads((pkg2 / "metadata.json").read_text())
     assert meta["name"] == "derm-gtafl" and meta["version"] == "1.1.0" and meta["parent_version"] == "1.0.0"
-    env = {"BENTOML_HOME": str(bentoml_home), "TAFL_ADMIN_TOKEN": "admin"}
+    env = {"BENTOML_HOME": str(tmp_path / "bentoml"), "TAFL_ADMIN_TOKEN": "admin"}
     with ServerProcess([str(gtafl_pkg)], env=env, log_path=tmp_path / "svc.log") as srv, Client(srv.url) as c:
         assert c.predict(digit_png(1)).model_version == "1.0.0"
         with pytest.raises(ServiceCallError) as e:
