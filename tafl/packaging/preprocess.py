@@ -59,10 +59,13 @@ class Preprocess:
     def normalize(self, batch: np.ndarray) -> np.ndarray:
         if batch.ndim == 3:
             batch = batch[None]
-        x = batch.astype(np.float32).transpose(0, 3, 1, 2) / np.float32(255.0)
         mean = np.asarray(self.mean, np.float32).reshape(1, -1, 1, 1)
         std = np.asarray(self.std, np.float32).reshape(1, -1, 1, 1)
-        return (x - mean) / std
+        x = np.ascontiguousarray(batch.transpose(0, 3, 1, 2), dtype=np.float32)
+        x /= np.float32(255.0)
+        x -= mean
+        x /= std  # in place: the same operations and rounding as (x / 255 - mean) / std, two fewer copies
+        return x
 
     def __call__(self, images: list[Image.Image | np.ndarray] | Image.Image | np.ndarray) -> np.ndarray:
         if not isinstance(images, list):

@@ -32,6 +32,7 @@ from tafl.errors import (BadRequest, PackageError, PayloadTooLarge, ServiceError
                          Unauthorized, UnsupportedMedia)
 from tafl.packaging.heatmap import overlay, png_bytes
 from tafl.serving.decode import decode_image
+from tafl.serving.multipart import parse_simple
 from tafl.serving.runtime import LoadedModel, ModelRegistry
 
 log = logging.getLogger("tafl.serving")
@@ -82,10 +83,23 @@ class State:
 
 
 state = State()
+_counters: dict[tuple[str, str, str], Any] = {}
+
+
+def _count(model: LoadedModel, class_name: str) -> None:
+    """One more prediction of `class_name` in /metrics; the labelled child is looked up once."""
+    if state.counter is None:
+        return
+    key = (model.name, model.package.version, class_name)
+    child = _counters.get(key)
+    if child is None:
+        child = _counters[key] = state.counter.labels(model=key[0], version=key[1], class_name=key[2])
+    child.inc()
 
 
 def configure(settings: Settings, registry: ModelRegistry, counter: Any = None) -> None:
     state.settings, state.registry, state.counter = settings, registry, counter
+    _counters.clear()
     logging.getLogger("pydicom").setLevel(logging.ERROR)  # its warnings can quote tag values (patient data)
     if not audit_log.handlers:
         handler: logging.Handler = (logging.FileHandler(settings.audit_path) if settings.audit_path
@@ -137,32 +151,45 @@ async def _upload(request: Request, max_files: int = 1) -> tuple[list[bytes], di
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     options = {k: v for k, v in request.query_params.items()}
     if ctype == "multipart/form-data":
-        await _read_body(request, limit)
-        try:
-            form = await request.form(max_files=max_files + 3, max_fields=20, max_part_size=limit)
-        except Exception as exc:  # noqa: BLE001 - python-multipart's parse errors
-            raise BadRequest(f"the multipart body could not be parsed ({type(exc).__name__}: {str(exc)[:80]}); "
-                             "send the image in the form field 'file'") from exc
-        try:
-            uploads = [u for u in form.getlist("file") if not isinstance(u, str)]
-            if not uploads:
-                names = [k for k in form.keys()]
-                raise BadRequest("no file in the multipart field 'file'" +
-                                 (f" (fields received: {', '.join(sorted(set(names))[:10])})" if names else "") +
-                                 "; send the image as -F file=@image.dcm")
-            if len(uploads) > max_files:
-                raise BadRequest(f"{len(uploads)} files in one request; send at most {max_files}")
-            data = [await u.read() for u in uploads]
-            for key, value in form.multi_items():
-                if key != "file" and isinstance(value, str):
-                    options[key] = value
-        finally:
-            await form.close()
+        body = await _read_body(request, limit)
+        simple = parse_simple(request.headers.get("content-type", ""), body, max_parts=max_files + 23,
+                              max_part_bytes=limit)
+        if simple is not None:
+            data = simple.files.get("file", [])
+            names = simple.names
+            for key, values in simple.fields.items():
+                if key != "file":
+                    options[key] = values[-1]
+        else:  # anything unusual goes through Starlette's full parser
+            data, names = await _starlette_form(request, max_files, limit, options)
+        if not data:
+            raise BadRequest("no file in the multipart field 'file'" +
+                             (f" (fields received: {', '.join(sorted(set(names))[:10])})" if names else "") +
+                             "; send the image as -F file=@image.dcm")
+        if len(data) > max_files:
+            raise BadRequest(f"{len(data)} files in one request; send at most {max_files}")
         return data, options
     if ctype in RAW_TYPES or ctype.startswith("image/"):
         return [await _read_body(request, limit)], options
     raise UnsupportedMedia(f"content type '{ctype or 'none'}' is not accepted: send multipart/form-data with the "
                            "image in the field 'file', or the raw image as image/png, image/jpeg or application/dicom")
+
+
+async def _starlette_form(request: Request, max_files: int, limit: int,
+                          options: dict[str, str]) -> tuple[list[bytes], list[str]]:
+    try:
+        form = await request.form(max_files=max_files + 3, max_fields=20, max_part_size=limit)
+    except Exception as exc:  # noqa: BLE001 - python-multipart's parse errors
+        raise BadRequest(f"the multipart body could not be parsed ({type(exc).__name__}: {str(exc)[:80]}); "
+                         "send the image in the form field 'file'") from exc
+    try:
+        data = [await u.read() for u in form.getlist("file") if not isinstance(u, str)]
+        for key, value in form.multi_items():
+            if key != "file" and isinstance(value, str):
+                options[key] = value
+        return data, list(form.keys())
+    finally:
+        await form.close()
 
 
 def _error(exc: Exception, rid: str) -> JSONResponse:
@@ -254,8 +281,8 @@ async def predict(request: Request) -> Response:
     start = time.perf_counter()
     audit: dict[str, Any] = {"request_id": rid, "route": "/predict"}
     try:
-        model, decoded, out, want_heat, (t0, t1, t2) = await asyncio.wait_for(
-            _predict_core(request, rid, audit), state.settings.timeout_s)
+        async with asyncio.timeout(state.settings.timeout_s):  # no extra task per request, unlike wait_for
+            model, decoded, out, want_heat, (t0, t1, t2) = await _predict_core(request, rid, audit)
         results = [_frame_result(model, out, i) for i in range(len(decoded.frames))]
         body: dict[str, Any] = {"request_id": rid, **results[0],
                                 "model": {"name": model.name, "version": model.package.version,
@@ -270,8 +297,7 @@ async def predict(request: Request) -> Response:
             body["heatmap"] = {"png_base64": base64.b64encode(png).decode(), "shape": list(heat.shape),
                                "kind": model.package.metadata["heatmap"], "frame": 0}
         for r in results:
-            if state.counter is not None:
-                state.counter.labels(model=model.name, version=model.package.version, class_name=r["class_name"]).inc()
+            _count(model, r["class_name"])
         body["timing_ms"] = {"decode": 1000 * (t1 - t0), "inference": 1000 * (t2 - t1),
                              "total": 1000 * (time.perf_counter() - start)}
         _audit(**audit, status=200, label=results[0]["label"], class_name=results[0]["class_name"],
@@ -300,10 +326,12 @@ async def heatmap(request: Request) -> Response:
     start = time.perf_counter()
     audit: dict[str, Any] = {"request_id": rid, "route": "/heatmap"}
     try:
-        model, decoded, out, _, _ = await asyncio.wait_for(_predict_core(request, rid, audit), state.settings.timeout_s)
+        async with asyncio.timeout(state.settings.timeout_s):
+            model, decoded, out, _, _ = await _predict_core(request, rid, audit)
         png = await asyncio.to_thread(_overlay_png, decoded.frames[0], out["heatmap"][0])
         label = int(out["label"][0])
         name = model.package.class_names[label]
+        _count(model, name)
         _audit(**audit, status=200, label=label, class_name=name, timing_ms=round(1000 * (time.perf_counter() - start), 2))
         safe = name.encode("ascii", "replace").decode()
         return Response(png, media_type="image/png", headers={"X-Request-ID": rid, "X-Tafl-Label": str(label),
@@ -345,7 +373,8 @@ async def predict_batch(request: Request) -> Response:
         return model, decoded, out
 
     try:
-        model, decoded, out = await asyncio.wait_for(core(), s.timeout_s)
+        async with asyncio.timeout(s.timeout_s):
+            model, decoded, out = await core()
         results, row = [], 0
         for i, d in enumerate(decoded):
             if isinstance(d, Exception):
@@ -358,10 +387,8 @@ async def predict_batch(request: Request) -> Response:
             if len(per) > 1:
                 item["frames"] = [{"frame": j, **r} for j, r in enumerate(per)]
             results.append(item)
-            if state.counter is not None:
-                for r in per:
-                    state.counter.labels(model=model.name, version=model.package.version,
-                                         class_name=r["class_name"]).inc()
+            for r in per:
+                _count(model, r["class_name"])
         timing = 1000 * (time.perf_counter() - start)
         _audit(**audit, status=200, errors=sum("error" in r for r in results), timing_ms=round(timing, 2))
         return JSONResponse({"request_id": rid, "model": {"name": model.name, "version": model.package.version,

@@ -105,8 +105,31 @@ def test_metrics_count_predicted_classes(server):
     for i in range(3):
         assert post(server, digit_png(i)).status_code == 200
     assert _counter(server, "derm-gtafl") == before + 3
+    r = httpx.post(f"{server.url}/heatmap", files={"file": ("a.png", digit_png(1), "image/png")}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    assert _counter(server, "derm-gtafl") == before + 4  # a heatmap is a prediction too
     assert httpx.get(f"{server.url}/healthz").status_code == 200
     assert httpx.get(f"{server.url}/livez").status_code == 200 and httpx.get(f"{server.url}/readyz").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def slow_server(gtafl_pkg, tmp_path_factory):
+    """A service whose request deadline no request can meet."""
+    from tafl.serving.launch import ServerProcess
+
+    home = tmp_path_factory.mktemp("bentoml_home_timeout")
+    with ServerProcess([str(gtafl_pkg)], env={"BENTOML_HOME": str(home), "TAFL_REQUEST_TIMEOUT_S": "0.000001"},
+                       log_path=tmp_path_factory.mktemp("svc_timeout") / "service.log") as srv:
+        yield srv
+
+
+def test_request_past_its_deadline_is_a_503_with_retry_after(slow_server):
+    for route in ("/predict", "/heatmap", "/predict/batch"):
+        r = httpx.post(f"{slow_server.url}{route}", files={"file": ("a.png", digit_png(0), "image/png")}, timeout=60)
+        assert r.status_code == 503, (route, r.text)
+        assert r.headers["retry-after"] == "1" and "longer than" in r.json()["error"]["message"]
+    assert httpx.get(f"{slow_server.url}/readyz", timeout=30).status_code == 200
+    assert httpx.get(f"{slow_server.url}/models", timeout=30).status_code == 200
 
 
 def test_auth_on(auth_server):
