@@ -72,6 +72,9 @@ class RunConfig:
     retrain_lr: float = 0.01  # expert retraining SGD learning rate (CReFF: 0.01)
     retrain_batch: int = 32  # expert retraining batch size
     expert_init: str = "warm"  # warm: experts continue from last round; fresh: re-initialised each round (CReFF)
+    # the head that client gradients and GFF matching are computed at: each expert's own (DESIGN.md §4),
+    # or the uniform expert's for every bank (a diagnostic for the experts' inverted specialisation)
+    match_head: str = "own"
     vote: str = "hard"  # hard (uniform expert breaks ties) | soft | confidence
     simclr_pool: str = "val"  # unlabeled server images: val | test (transductive, as the paper) | train
     simclr_steps: int = 10  # SimCLR SGD steps per round in which it runs
@@ -170,6 +173,8 @@ class RunConfig:
             raise bad("select", "choose last or val")
         if self.expert_init not in ("warm", "fresh"):
             raise bad("expert_init", "choose warm or fresh")
+        if self.match_head not in ("own", "uniform"):
+            raise bad("match_head", "choose own or uniform")
         if self.vote not in ("hard", "soft", "confidence"):
             raise bad("vote", "choose hard, soft or confidence")
         if self.simclr_pool not in ("val", "test", "train"):

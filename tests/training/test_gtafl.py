@@ -256,3 +256,23 @@ def test_class_absent_from_every_client_keeps_its_bank(smoke_cfg, caplog):
     assert torch.equal(state2.extras["gff.features"][:, 0], bank_before[:, 0])
     assert not torch.equal(state2.extras["gff.features"][:, 1], bank_before[:, 1])
     assert state2.meta["gff_history"][-1]["absent_classes"] == [0]
+
+
+def test_match_head_uniform_takes_every_gradient_at_the_uniform_expert(smoke_cfg):
+    m, clients, state = _method_and_clients(_smoke(smoke_cfg, "gtafl", cl=False))
+    payload = m.broadcast(state)
+    own = m.client_update(payload, clients[0], m.round_config(state, {}, 1)).extras["grad_w"]
+    assert not torch.allclose(own[:, 0], own[:, 2])  # the experts' own heads differ
+    m.cfg.match_head = "uniform"
+    u = m.client_update(payload, clients[0], m.round_config(state, {}, 1)).extras["grad_w"]
+    assert torch.equal(u[:, 0], u[:, 1]) and torch.equal(u[:, 2], u[:, 1])
+    assert torch.allclose(u[:, 1], own[:, 1])  # the uniform expert's own gradient is unchanged
+    new = m.server_update(state, [m.client_update(payload, c, m.round_config(state, {}, 1)) for c in clients[:3]], 1)
+    assert torch.isfinite(new.extras["expert.weight"]).all()
+
+
+def test_match_head_must_be_own_or_uniform(smoke_cfg):
+    from tafl.errors import ConfigError
+    smoke_cfg.match_head = "backward"
+    with pytest.raises(ConfigError, match="match_head"):
+        smoke_cfg.validate()

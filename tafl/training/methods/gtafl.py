@@ -131,8 +131,16 @@ class GTAFL(Method):
         idx = torch.cat(pick)
         self.model.eval()
         feats = self.model.features(self.normalize(images[idx])).float().cpu()  # one pass for all experts
-        gW, gb = gff.class_head_gradients(feats, labels[idx], W.float(), b.float(), classes)
+        W, b = self.match_heads(W.float(), b.float())
+        gW, gb = gff.class_head_gradients(feats, labels[idx], W, b, classes)
         return {"grad_classes": classes.to(torch.int64), "grad_w": gW, "grad_b": gb}
+
+    def match_heads(self, W: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads gradients are taken at: each expert's own, or the uniform expert's for all."""
+        if self.cfg.match_head == "own" or "uniform" not in self.names:
+            return W, b
+        u = self.names.index("uniform")
+        return W[u:u + 1].expand_as(W).contiguous(), b[u:u + 1].expand_as(b).contiguous()
 
     def _grads_problem(self, r: ClientResult) -> str | None:
         if not self.cr:
@@ -202,7 +210,8 @@ class GTAFL(Method):
         W, b = extras["expert.weight"], extras["expert.bias"]
         timing["aggregate_s"] = timing.get("aggregate_s", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
-        losses = gff.match(banks, W, b, gW_real, gb_real, have, self.cfg.match_steps, self.cfg.match_lr)
+        losses = gff.match(banks, *self.match_heads(W, b), gW_real, gb_real, have, self.cfg.match_steps,
+                           self.cfg.match_lr)
         timing["gff_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.cfg.expert_init == "fresh":
