@@ -39,5 +39,10 @@ def from_bentoml(tag: str) -> ModelPackage:
     try:
         model = bentoml.models.get(tag)
     except bentoml.exceptions.NotFound as exc:
-        raise PackageError(f"no model '{tag}' in the BentoML model store") from exc
+        import os
+
+        home = os.environ.get("BENTOML_HOME", "~/bentoml")
+        raise PackageError(f"no model '{tag}' in the BentoML model store ({home}): store one with "
+                           "`tafl export CKPT --out PKG --to-bentoml NAME`, or set TAFL_PACKAGES to package "
+                           "folders or tags") from exc
     return load_package(model.path)

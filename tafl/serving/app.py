@@ -38,6 +38,7 @@ from tafl.serving.runtime import LoadedModel, ModelRegistry
 log = logging.getLogger("tafl.serving")
 audit_log = logging.getLogger("tafl.audit")
 
+DEFAULT_PACKAGE = "tafl-model:latest"
 RAW_TYPES = ("image/png", "image/jpeg", "application/dicom", "application/octet-stream")
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
@@ -60,7 +61,10 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         env = os.environ
-        refs = [r.strip() for r in env.get("TAFL_PACKAGES", "").replace(os.pathsep, ",").split(",") if r.strip()]
+        # commas only: a BentoML tag `name:version` contains os.pathsep on POSIX. Unset, the service
+        # serves the store model bentofile.yaml bundles (`bentoml serve tafl:latest` does not apply
+        # the bento's envs outside a container)
+        refs = [r.strip() for r in env.get("TAFL_PACKAGES", DEFAULT_PACKAGE).split(",") if r.strip()]
         token = env.get("TAFL_API_TOKEN") or None
         return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or token,
                    max_upload_bytes=int(float(env.get("TAFL_MAX_UPLOAD_MB", "50")) * 2**20),

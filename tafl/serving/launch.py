@@ -28,13 +28,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "bentoml", "serve", SERVICE, "--host", host, "--port", str(port)]
+def serve_command(host: str, port: int, target: str = SERVICE) -> list[str]:
+    """`target`: the service's import path, or a built bento's tag (`tafl:latest`)."""
+    return [sys.executable, "-m", "bentoml", "serve", target, "--host", host, "--port", str(port)]
 
 
 def service_env(packages: list[str], token: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["TAFL_PACKAGES"] = ",".join(str(Path(p).resolve()) if Path(p).is_dir() else p for p in packages)
+    if packages:
+        env["TAFL_PACKAGES"] = ",".join(str(Path(p).resolve()) if Path(p).is_dir() else p for p in packages)
+    else:  # the service's default: the store model a built bento bundles
+        env.pop("TAFL_PACKAGES", None)
     env.setdefault("BENTOML_DO_NOT_TRACK", "True")
     if token:
         env["TAFL_API_TOKEN"] = token
@@ -74,8 +78,9 @@ class ServerProcess:
     """`bentoml serve` in its own process group on 127.0.0.1, ready when /readyz answers 200."""
 
     def __init__(self, packages: list[str], *, port: int | None = None, token: str | None = None,
-                 env: dict[str, str] | None = None, log_path: str | Path | None = None):
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None, target: str = SERVICE):
         self.port = port or free_port()
+        self.target = target
         self.url = f"http://127.0.0.1:{self.port}"
         self.packages, self.token, self.env, self.log_path = packages, token, env, log_path
         self.proc: subprocess.Popen | None = None
@@ -84,7 +89,7 @@ class ServerProcess:
         import httpx
 
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(serve_command("127.0.0.1", self.port), env=service_env(self.packages, self.token,
+        self.proc = subprocess.Popen(serve_command("127.0.0.1", self.port, self.target), env=service_env(self.packages, self.token,
                                                                                               self.env),
                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
