@@ -16,13 +16,16 @@ import base64
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
 from tafl.errors import TaflError
 
 RETRY_STATUS = {502, 503, 504}
+# connection failures worth another attempt (a restarting or briefly overloaded service)
+RETRY_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
+                httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class ServiceCallError(TaflError):
@@ -125,6 +128,20 @@ class _Base:
     def _delay(self, attempt: int) -> float:
         return self.backoff * (2 ** attempt)
 
+    @staticmethod
+    def _outcome(r: httpx.Response) -> httpx.Response | ServiceCallError:
+        """The response when it is final (raising for a 4xx or other error), or the retryable error."""
+        if r.status_code not in RETRY_STATUS:
+            _raise_for(r)
+            return r
+        return ServiceCallError(r.status_code, r.text[:200])
+
+    def _give_up(self, last: Exception | None) -> NoReturn:
+        if isinstance(last, ServiceCallError):
+            raise last
+        raise ServiceCallError(0, f"cannot reach {self.url} after {self.retries + 1} attempts "
+                                  f"({type(last).__name__}: {last})") from last
+
     def _form(self, image, model, heatmap) -> tuple[dict, dict]:
         name, data = _payload(image)
         fields = {"heatmap": "true" if heatmap else "false"}
@@ -142,21 +159,16 @@ class Client(_Base):
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                r = self.http.request(method, self.url + path, **kw)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
-                    httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                outcome = self._outcome(self.http.request(method, self.url + path, **kw))
+            except RETRY_ERRORS as exc:
                 last = exc
             else:
-                if r.status_code not in RETRY_STATUS:
-                    _raise_for(r)
-                    return r
-                last = ServiceCallError(r.status_code, r.text[:200])
+                if isinstance(outcome, httpx.Response):
+                    return outcome
+                last = outcome
             if attempt < self.retries:
                 time.sleep(self._delay(attempt))
-        if isinstance(last, ServiceCallError):
-            raise last
-        raise ServiceCallError(0, f"cannot reach {self.url} after {self.retries + 1} attempts "
-                                  f"({type(last).__name__}: {last})") from last
+        self._give_up(last)
 
     def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False) -> Prediction:
         files, data = self._form(image, model, heatmap)
@@ -213,21 +225,16 @@ class AsyncClient(_Base):
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                r = await self.http.request(method, self.url + path, **kw)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
-                    httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                outcome = self._outcome(await self.http.request(method, self.url + path, **kw))
+            except RETRY_ERRORS as exc:
                 last = exc
             else:
-                if r.status_code not in RETRY_STATUS:
-                    _raise_for(r)
-                    return r
-                last = ServiceCallError(r.status_code, r.text[:200])
+                if isinstance(outcome, httpx.Response):
+                    return outcome
+                last = outcome
             if attempt < self.retries:
                 await asyncio.sleep(self._delay(attempt))
-        if isinstance(last, ServiceCallError):
-            raise last
-        raise ServiceCallError(0, f"cannot reach {self.url} after {self.retries + 1} attempts "
-                                  f"({type(last).__name__}: {last})") from last
+        self._give_up(last)
 
     async def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False) -> Prediction:
         files, data = self._form(image, model, heatmap)
