@@ -39,6 +39,8 @@ log = logging.getLogger("tafl.serving")
 audit_log = logging.getLogger("tafl.audit")
 
 DEFAULT_PACKAGE = "tafl-model:latest"
+FORM_MAX_FIELDS = 20  # text fields in one multipart body
+FORM_SPARE_FILES = 3  # file parts tolerated past the route's limit, so the error can count them
 RAW_TYPES = ("image/png", "image/jpeg", "application/dicom", "application/octet-stream")
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
@@ -156,7 +158,8 @@ async def _upload(request: Request, max_files: int = 1) -> tuple[list[bytes], di
     options = {k: v for k, v in request.query_params.items()}
     if ctype == "multipart/form-data":
         body = await _read_body(request, limit)
-        simple = parse_simple(request.headers.get("content-type", ""), body, max_parts=max_files + 23,
+        simple = parse_simple(request.headers.get("content-type", ""), body,
+                              max_parts=max_files + FORM_SPARE_FILES + FORM_MAX_FIELDS,
                               max_part_bytes=limit)
         if simple is not None:
             data = simple.files.get("file", [])
@@ -182,7 +185,8 @@ async def _upload(request: Request, max_files: int = 1) -> tuple[list[bytes], di
 async def _starlette_form(request: Request, max_files: int, limit: int,
                           options: dict[str, str]) -> tuple[list[bytes], list[str]]:
     try:
-        form = await request.form(max_files=max_files + 3, max_fields=20, max_part_size=limit)
+        form = await request.form(max_files=max_files + FORM_SPARE_FILES, max_fields=FORM_MAX_FIELDS,
+                                  max_part_size=limit)
     except Exception as exc:  # noqa: BLE001 - python-multipart's parse errors
         raise BadRequest(f"the multipart body could not be parsed ({type(exc).__name__}: {str(exc)[:80]}); "
                          "send the image in the form field 'file'") from exc
