@@ -30,7 +30,7 @@ from tafl.errors import PackageError
 from tafl.packaging.card import render_card
 from tafl.packaging.package import (SCHEMA, ModelPackage, bump_minor, load_package, sha256_file, write_checksums)
 from tafl.packaging.preprocess import Preprocess
-from tafl.training.ensemble import ExpertEnsemble
+from tafl.training.ensemble import ExpertEnsemble, vote_weights
 from tafl.training.explain import _to_image, install_taps, rollout_from, vit_grid
 from tafl.training.models import Classifier, ModelConfig, build_model
 
@@ -113,11 +113,12 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]], di
     if "expert.weight" in extras:
         names = tuple(meta.get("experts") or ("uniform",))
         ens = ExpertEnsemble(model.extractor, extras["expert.weight"], extras["expert.bias"], names,
-                             meta.get("vote", "hard")).eval()
+                             meta.get("vote", "hard"), vote_weights(meta)).eval()
         experts = [{"name": n, "weight": float(w)} for n, w in zip(names, ens.vote_weights.tolist())]
+        soft = ens.vote in ("soft", "learned")
         vote = {"rule": ens.vote, "weights": [e["weight"] for e in experts],
-                "tie_break": f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of "
-                             f"{ens.tie_bonus:g} on its vote)" if ens.vote != "soft" else "argmax of mean probability"}
+                "tie_break": "argmax of the weighted mean probability" if soft else
+                f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of {ens.tie_bonus:g} on its vote)"}
         return EnsembleGraph(model, ens, mcfg.is_vit, mcfg.img_size).eval(), experts, vote
     return SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size).eval(), [], None
 

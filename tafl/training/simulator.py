@@ -28,6 +28,7 @@ from tafl.errors import CheckpointError, ConfigError, RunDirError
 from tafl.training.checkpoint import latest_round_checkpoint, load_checkpoint, save_checkpoint
 from tafl.training.config import RunConfig
 from tafl.training.data import Dataset, Split, index_hash, load_dataset
+from tafl.training.ensemble import vote_rule_accuracies
 from tafl.training.evaluate import balanced_accuracy, evaluate_outputs, predict
 from tafl.training.longtail import class_ranks, client_class_counts, dirichlet_partition, make_longtail, select_clients
 from tafl.training.methods import GlobalState, Method, method_class
@@ -224,6 +225,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
         kept, kept_round = GlobalState.from_dict(book["best"]["state"]), book["best"]["round"]
     else:
         kept, kept_round = state, cfg.rounds
+    finish_cfg = method.finish_config(kept)
+    if finish_cfg is not None and not kept.meta.get("finished"):
+        kept = _finish(method, kept, transport, finish_cfg, cfg, book)
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")
@@ -282,6 +286,33 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     book["history"].append({"round": r, "clients": selected, "loss": float(np.mean(finite)) if finite else float("nan"),
                             "dropped": sorted(set(state.meta.get("dropped", [])) | (set(selected) - answered)),
                             "seconds": time.perf_counter() - t_round})
+    return state
+
+
+def _finish(method: Method, state: GlobalState, transport: Transport, round_cfg: dict[str, Any], cfg: RunConfig,
+            book: dict[str, Any]) -> GlobalState:
+    """The method's finishing round on the kept model: a share of the clients answer a features-only
+    round (no local training) and the server's last step uses it (GTAFL: the experts' last retraining)."""
+    t_round = time.perf_counter()
+    ids = select_clients(transport.num_clients, round_cfg["clients_frac"], cfg.seed, round_cfg["round"])
+    payload = method.broadcast(state)
+    results, cost = transport.train(ids, payload, round_cfg)
+    comm = book["communication"]
+    comm["downlink_bytes"] += cost["downlink_bytes"]
+    comm["uplink_bytes"] += cost["uplink_bytes"]
+    for key in ("wire_uplink_bytes", "wire_downlink_bytes"):
+        if key in cost:
+            comm[key] = comm.get(key, 0) + cost[key]
+    book["timing"]["client_s"] += cost["client_s"]
+    t0 = time.perf_counter()
+    state = method.server_finish(state, results, round_cfg["round"])
+    book["timing"]["server_s"] += time.perf_counter() - t0
+    for key, secs in state.meta.pop("round_timing", {}).items():
+        book["timing"][key] = book["timing"].get(key, 0.0) + secs
+    answered = {r.client_id for r in results}
+    book["finish"] = {"clients": ids, "dropped": sorted(set(state.meta.get("finish_dropped", [])) | (set(ids) - answered)),
+                      "seconds": time.perf_counter() - t_round}
+    log.info("finishing round: %d of %d clients answered, %.1f s", len(answered), len(ids), book["finish"]["seconds"])
     return state
 
 
@@ -344,16 +375,28 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
                               "client_class_counts": ck.get("client_class_counts")}
     report.update(evaluate_outputs(out["probs"], out["label"], ds.test.labels, ranks, cfg.test_seed))
     report.update(method.extra_report(state, out, ds.test, ranks))
-    val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=("probs", "label"))
+    val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
     val_ev = evaluate_outputs(val["probs"], val["label"], ds.val.labels, ranks, cfg.test_seed)
     report["validation"] = {"accuracy": float((val["label"] == ds.val.labels).mean()),
                             "balanced_accuracy": balanced_accuracy(val["label"], ds.val.labels, len(ds.class_names)),
                             "average_accuracy": val_ev["average_accuracy"],
                             "accuracy": {k: d["accuracy"] for k, d in val_ev["test_distributions"].items()}}
+    if "expert_labels" in val:  # each expert on the validation split too: specialisation is checked there
+        names = list(state.meta.get("experts") or [])
+        report["validation"]["experts"] = {}
+        for e, name in enumerate(names):
+            ev = evaluate_outputs(val["expert_probs"][:, e], val["expert_labels"][:, e], ds.val.labels, ranks,
+                                  cfg.test_seed)
+            report["validation"]["experts"][name] = {"average_accuracy": ev["average_accuracy"],
+                                                     **{k: d["accuracy"] for k, d in ev["test_distributions"].items()}}
+        report["validation"]["vote_rules"] = vote_rule_accuracies(val, names, state.meta, ds.val.labels, ranks,
+                                                                  cfg.test_seed)
     book = ck.get("book", {})
     report["timing"] = dict(book.get("timing", {}), test_eval_s=time.perf_counter() - t0)
     report["communication"] = dict(book.get("communication", {}))
     report["history"] = book.get("history", [])
+    if "finish" in book:
+        report["finishing_round"] = book["finish"]
     report["data_provenance"] = ck.get("data_provenance", {})
     report["selected_round"] = ck["round"]
     report["tafl_version"] = tafl.__version__

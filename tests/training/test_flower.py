@@ -47,6 +47,9 @@ def test_flower_simulation_equals_in_process(tmp_path, method, monkeypatch):
             assert torch.allclose(a[part][k].float(), b[part][k].float(), atol=1e-6), (part, k)
     rep = json.loads((tmp_path / "flower" / "report.json").read_text())
     assert rep["communication"]["wire_uplink_bytes"] >= rep["communication"]["uplink_bytes"]
+    if method == "gtafl":  # the class statistics and the features-only finishing round cross Flower too
+        assert float(b["extras"]["stats.count"].sum()) > 0 and "gff.centre" in b["extras"]
+        assert rep["finishing_round"]["clients"] == [0, 1, 2] and rep["finishing_round"]["dropped"] == []
 
 
 def test_restarted_server_app_resumes_from_its_checkpoint(tmp_path, monkeypatch):

@@ -139,7 +139,7 @@ def test_soft_and_confidence_votes():
 
 def _smoke(cfg, method, **kw):
     cfg.method = method
-    cfg.simclr_steps, cfg.simclr_batch, cfg.retrain_epochs, cfg.match_steps = 2, 32, 20, 20
+    cfg.simclr_steps, cfg.simclr_batch, cfg.retrain_epochs, cfg.match_steps, cfg.simclr_every = 2, 32, 20, 20, 1
     for k, v in kw.items():
         setattr(cfg, k, v)
     return cfg
@@ -148,7 +148,8 @@ def _smoke(cfg, method, **kw):
 @pytest.mark.slow
 def test_creff_equals_gtafl_with_parts_switched_off(tmp_path, smoke_cfg):
     train(_smoke(smoke_cfg, "creff"), tmp_path / "creff", progress=False)
-    train(_smoke(smoke_cfg, "gtafl", en=False, cl=False, gs=False), tmp_path / "gtafl", progress=False)
+    train(_smoke(smoke_cfg, "gtafl", en=False, cl=False, gs=False, bank_init="normal", gff_centre=False,
+                 final_round_frac=0.0), tmp_path / "gtafl", progress=False)
     a = load_checkpoint(tmp_path / "creff" / "final.pt")["state"]
     b = load_checkpoint(tmp_path / "gtafl" / "final.pt")["state"]
     for part in ("weights", "extras"):
@@ -171,7 +172,10 @@ def test_gtafl_two_rounds_end_to_end(tmp_path, smoke_cfg):
     assert st["extras"]["expert.weight"].shape[0] == 3 and st["meta"]["experts"] == ["forward", "uniform", "backward"]
     assert st["meta"]["vote"] == "hard"
     hist = report["gff_history"]
-    assert len(hist) == 2 and all(h["match_after"] < h["match_before"] for h in hist)
+    # two rounds and the finishing round (features of the final extractor from every client)
+    assert [h["round"] for h in hist] == [1, 2, 3] and all(h["match_after"] < h["match_before"] for h in hist)
+    assert report["finishing_round"]["clients"] == [0, 1, 2, 3] and report["finishing_round"]["dropped"] == []
+    assert st["meta"]["finished"] is True and st["extras"]["gff.centre"].shape == (st["extras"]["expert.weight"].shape[2],)
     # expert gradients travel up and expert heads down: more bytes than FedAvg's
     smoke_cfg.method = "fedavg"
     fed = train(smoke_cfg, tmp_path / "fedavg", progress=False)
@@ -247,8 +251,7 @@ def test_class_absent_from_every_client_keeps_its_bank(smoke_cfg, caplog):
     missing = 0
     for r in results:  # pretend nobody holds class 0 this round
         keep = r.extras["grad_classes"] != missing
-        r.extras = {"grad_classes": r.extras["grad_classes"][keep], "grad_w": r.extras["grad_w"][keep],
-                    "grad_b": r.extras["grad_b"][keep]}
+        r.extras = {k: v[keep] for k, v in r.extras.items()}  # gradients and class statistics alike
     results = [r for r in results if len(r.extras["grad_classes"])]
     with caplog.at_level(logging.INFO):
         state2 = m.server_update(state, results, 2)
@@ -276,3 +279,147 @@ def test_match_head_must_be_own_or_uniform(smoke_cfg):
     smoke_cfg.match_head = "backward"
     with pytest.raises(ConfigError, match="match_head"):
         smoke_cfg.validate()
+
+
+# ------------------------------------------------------------------ class feature statistics (issue 12)
+def test_class_statistics_aggregate_exactly_to_the_pooled_mean_and_spread():
+    g = torch.Generator().manual_seed(3)
+    feats = torch.relu(torch.randn(90, 5, generator=g) * 2 + 1)  # ReLU features: a large common mean
+    labels = torch.randint(0, 3, (90,), generator=g)
+    parts = []
+    for rows in (slice(0, 17), slice(17, 60), slice(60, 90)):  # three clients of unequal size
+        cls = torch.unique(labels[rows])
+        parts.append((cls, *gff.class_feature_stats(feats[rows], labels[rows], cls)))
+    S, Q, N = gff.aggregate_stats(parts, 3, 5)
+    mean, std = gff.moments(S, Q, N)
+    for c in range(3):
+        x = feats[labels == c].double()
+        assert int(N[c]) == len(x)
+        assert torch.allclose(mean[c].double(), x.mean(0), atol=1e-6)
+        assert torch.allclose(std[c].double(), x.std(0, unbiased=False), atol=1e-5)
+    # averaging the clients' means instead would be wrong when their sizes differ
+    naive = torch.stack([p[1][p[0] == 0][0] / p[3][p[0] == 0][0] for p in parts if (p[0] == 0).any()]).mean(0)
+    assert not torch.allclose(naive.float(), mean[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("corrupt, why", [
+    (lambda e: e["stat_sum"].__setitem__((0, 0), float("nan")), "NaN or Inf"),
+    (lambda e: e["stat_count"].__setitem__(0, -3.0), "positive whole numbers"),
+    (lambda e: e.__setitem__("stat_sumsq", e["stat_sumsq"][:, :5]), "shapes"),
+    (lambda e: e.__setitem__("stat_sum", e["stat_sum"] * 1e3), "inconsistent"),
+    (lambda e: e.pop("stat_count"), "missing"),
+])
+def test_bad_class_statistics_drop_the_client_for_the_round(smoke_cfg, caplog, corrupt, why):
+    m, clients, state = _method_and_clients(_smoke(smoke_cfg, "gtafl", cl=False))
+    rcfg = m.round_config(state, {}, 1)
+    payload = m.broadcast(state)
+    good, bad = (m.client_update(payload, c, rcfg) for c in clients[:2])
+    corrupt(bad.extras)
+    with caplog.at_level(logging.WARNING):
+        new = m.server_update(state, [good, bad], 1)
+    assert new.meta["dropped"] == [1]
+    assert "dropping client 1" in caplog.text and why in caplog.text
+    assert torch.isfinite(new.extras["stats.mean"]).all() and torch.isfinite(new.extras["gff.features"]).all()
+
+
+def test_banks_start_at_the_clients_class_statistics_and_stay_there(smoke_cfg):
+    m, clients, state = _method_and_clients(_smoke(smoke_cfg, "gtafl", cl=False, bank_init="stats", gff_centre=False))
+    rcfg = m.round_config(state, {}, 1)
+    payload = m.broadcast(state)
+    results = [m.client_update(payload, c, rcfg) for c in clients]
+    parts = [(r.extras["grad_classes"], r.extras["stat_sum"], r.extras["stat_sumsq"], r.extras["stat_count"])
+             for r in results]
+    mean, std = gff.moments(*gff.aggregate_stats(parts, 10, m.model.feature_dim))
+    new = m.server_update(state, results, 1)
+    assert torch.allclose(new.extras["stats.mean"], mean) and torch.allclose(new.extras["stats.std"], std)
+    banks = gff.GFFBanks(new.extras["gff.features"], new.extras["gff.counts"])
+    # matching moves the banks a little; their class means stay near μ_c, far from N(0, 1)'s zero mean
+    gap = (banks.class_means() - mean[None]).norm(dim=-1) / mean.norm(dim=-1).clamp_min(1e-6)[None]
+    assert float(gap.max()) < 0.5, gap
+    assert float(banks.class_means().norm(dim=-1).min()) > 0.5 * float(mean.norm(dim=-1).min())
+    assert new.meta["banks"] == {"init": "stats", "anchor": "recentre", "centred": False}
+    assert len(new.meta["gff_history"][-1]["bank_mean_drift"]) == 3
+
+
+def test_creff_keeps_its_published_normal_banks_and_sends_no_statistics(smoke_cfg):
+    m, clients, state = _method_and_clients(_smoke(smoke_cfg, "creff"))
+    res = m.client_update(m.broadcast(state), clients[0], m.round_config(state, {}, 1))
+    assert not any(k.startswith("stat_") for k in res.extras) and "stats.mean" not in state.extras
+    smoke_cfg.bank_init = "stats"  # CReFF + statistics: the ablation row
+    m, clients, state = _method_and_clients(smoke_cfg)
+    res2 = m.client_update(m.broadcast(state), clients[0], m.round_config(state, {}, 1))
+    assert {"stat_sum", "stat_sumsq", "stat_count"} <= set(res2.extras)
+    from tafl.training.methods.base import tensor_bytes
+    assert tensor_bytes(res2.extras) > tensor_bytes(res.extras)  # they travel, and are counted
+
+
+def test_recentre_moves_present_classes_to_their_mean_and_leaves_absent_ones():
+    g = torch.Generator().manual_seed(0)
+    counts = np.array([[5, 7, 3], [4, 4, 4]])
+    banks = gff.GFFBanks.create(counts, 6, g)
+    before = banks.features.clone()
+    mean, std = torch.randn(3, 6, generator=g) * 5, torch.rand(3, 6, generator=g) + 0.5
+    have = torch.tensor([True, True, False])
+    gff.anchor(banks, "recentre", mean, std, have, g)
+    assert torch.allclose(banks.class_means()[:, :2], mean[None, :2].expand(2, 2, 6), atol=1e-5)
+    assert torch.equal(banks.features[:, 2, :3], before[:, 2, :3])
+    gff.anchor(banks, "standardise", mean, std, have, g)
+    assert torch.allclose(banks.class_stds()[:, :2], std[None, :2].expand(2, 2, 6), atol=1e-4)
+
+
+def test_centred_frame_gradients_are_exact_conversions_of_the_clients_raw_ones():
+    """What the server does with a client's gradients in the centred frame equals computing them on
+    centred features at the same heads: ∂W(f − κ) = ∂W(f) − ∂b ⊗ κ with the bias b + W·κ."""
+    g = torch.Generator().manual_seed(5)
+    feats = torch.relu(torch.randn(40, 8, generator=g) + 2)
+    labels = torch.randint(0, 4, (40,), generator=g)
+    W, b = torch.randn(3, 4, 8, generator=g), torch.randn(3, 4, generator=g)
+    kappa = feats.mean(0)
+    cls = torch.unique(labels)
+    gW, gb = gff.class_head_gradients(feats, labels, W, b, cls)
+    gWc, gbc = gff.class_head_gradients(feats - kappa, labels, W, b + W @ kappa, cls)
+    assert torch.allclose(gbc, gb, atol=1e-6)
+    assert torch.allclose(gWc, gW - gb[..., None] * kappa, atol=1e-5)
+
+
+def test_centred_experts_keep_raw_frame_heads_and_the_centre(smoke_cfg):
+    m, clients, state = _method_and_clients(_smoke(smoke_cfg, "gtafl", cl=False))
+    assert m.centred and m.uses_stats
+    rcfg = m.round_config(state, {}, 1)
+    new = m.server_update(state, [m.client_update(m.broadcast(state), c, rcfg) for c in clients], 1)
+    kappa = new.extras["gff.centre"]
+    present = new.extras["stats.count"] > 0
+    assert torch.allclose(kappa, new.extras["stats.mean"][present].mean(0))
+    # zero-mean banks in the centred frame: the banks' grand mean sits near 0, not near κ
+    banks = gff.GFFBanks(new.extras["gff.features"], new.extras["gff.counts"])
+    assert float(banks.class_means().mean((0, 1)).norm()) < 0.5 * float(kappa.norm())
+
+
+def test_learned_vote_weights_follow_the_experts_that_do_best_over_the_priors():
+    from tafl.training.ensemble import learn_vote_weights, simplex_grid
+
+    assert simplex_grid(3, 0.5).tolist() == [[0, 0, 1], [0, 0.5, 0.5], [0, 1, 0], [0.5, 0, 0.5], [0.5, 0.5, 0], [1, 0, 0]]
+    g = torch.Generator().manual_seed(0)
+    C, D = 3, 4
+    feats = torch.randn(300, D, generator=g)
+    labels = torch.arange(C).repeat_interleave(100)
+    feats[:, :C] += 3 * torch.nn.functional.one_hot(labels, C)  # class c lives along axis c
+    good = torch.eye(C, D) * 2
+    W = torch.stack([good, -good, torch.zeros(C, D)])  # expert 0 right, 1 inverted, 2 blind
+    b = torch.zeros(3, C)
+    priors = torch.tensor([[0.6, 0.3, 0.1], [1 / 3] * 3, [0.1, 0.3, 0.6]])
+    w = learn_vote_weights(feats, labels, W, b, priors)
+    assert w[1] < w[0] and w[1] <= 0.2, w  # the inverted expert is outweighed ...
+    pooled = ExpertEnsemble(torch.nn.Identity(), W, b, ("forward", "uniform", "backward"), "learned", tuple(w))(feats)
+    assert torch.equal(pooled["label"], (feats @ good.t()).argmax(1))  # ... so the vote is as good as expert 0
+    same = torch.stack([good, good, good])  # identical experts: nothing to learn, equal weights
+    assert torch.allclose(learn_vote_weights(feats, labels, same, b, priors), torch.full((3,), 1 / 3), atol=0.07)
+
+
+def test_learned_rule_is_the_weighted_soft_vote():
+    W = torch.zeros(3, 3, 1)
+    b = torch.tensor([[3.0, 0.0, 0.0], [0.0, 3.0, 0.0], [0.0, 0.0, 3.0]])
+    names = ("forward", "uniform", "backward")
+    x = torch.zeros(1, 1)
+    assert int(ExpertEnsemble(torch.nn.Identity(), W, b, names, "learned", (0.1, 0.2, 0.7))(x)["label"]) == 2
+    assert int(ExpertEnsemble(torch.nn.Identity(), W, b, names, "learned", (0.6, 0.2, 0.2))(x)["label"]) == 0

@@ -8,6 +8,9 @@ A round, driven by the in-process simulator or by the Flower adapter alike:
     results = [method.client_update(payload, data_k, cfg)]     # local work
     state   = method.server_update(state, results, round)      # aggregation + server work
 
+and, once after the last round where a method asks for it (`finish_config`), a features-only
+finishing round whose results go to `server_finish`.
+
 Everything that crosses the wire is a `dict[str, Tensor]` or plain JSON, so transports only
 serialise; no method knows which transport runs it. `GlobalState` is what checkpoints hold.
 """
@@ -134,6 +137,13 @@ class Method:
         raise NotImplementedError
 
     def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
+        raise NotImplementedError
+
+    def finish_config(self, state: GlobalState) -> dict[str, Any] | None:
+        """The round config of a features-only finishing round after the last round, or None (no such round)."""
+        return None
+
+    def server_finish(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
         raise NotImplementedError
 
     # ---- inference ----

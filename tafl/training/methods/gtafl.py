@@ -4,12 +4,16 @@ Client, every round: GI-GDS sampling weights from its local and the broadcast gl
 counts; the mean CE gradient per local class w.r.t. every expert head, all experts from one
 feature pass of the received extractor (eval mode); then FedAvg-style local training of the
 extractor and the original head.
+The same pass also gives per-class feature sums, sums of squares and counts (the class
+statistics), which travel with the gradients.
 Server, every round: FedAvg of extractor, original head and BatchNorm statistics; per-class
-mean of the expert gradients over the clients holding the class; gradient matching of each
-expert's persistent GFF bank (m + λ·d_c features per class); retraining of every expert on its
-bank; then SimCLR on the unlabeled server pool, refining the extractor the next round starts
-from. Inference: the experts vote (hard, ties to the uniform expert).
-CReFF is this code with one uniform expert and neither GI-GDS nor SimCLR. The switches `cr`,
+mean of the expert gradients over the clients holding the class; exact per-class feature mean
+μ_c and spread σ_c from the statistics; each expert's persistent GFF bank (m + λ·d_c features
+per class) starts at N(μ_c, diag σ_c²) and is re-anchored at μ_c every round (docs/design.md),
+then gradient-matched; retraining of every expert on its bank; then SimCLR on the unlabeled
+server pool, refining the extractor the next round starts from. Inference: the experts vote.
+CReFF is this code with one uniform expert, N(0, 1) banks and neither GI-GDS nor SimCLR (with
+`bank_init: stats` it is the "CReFF + statistics" ablation). The switches `cr`,
 `en`, `cl`, `gs` turn each part off for the ablation (the paper's Table IV).
 """
 
@@ -26,10 +30,10 @@ from torch import nn
 from tafl.errors import ConfigError
 from tafl.training import gff
 from tafl.training.aggregate import check_results, weighted_average
-from tafl.training.ensemble import ExpertEnsemble
+from tafl.training.ensemble import ExpertEnsemble, learn_vote_weights, vote_rule_accuracies, vote_weights
 from tafl.training.evaluate import evaluate_outputs, predict
 from tafl.training.local import local_sgd
-from tafl.training.longtail import ranks_from_counts
+from tafl.training.longtail import DISTRIBUTIONS, distribution_prior, ranks_from_counts
 from tafl.training.methods.base import (SERVER, ClientData, ClientResult, GlobalState, Method, ProbsAndLabel,
                                         Tensors)
 from tafl.training.models import build_model
@@ -56,6 +60,14 @@ class GTAFL(Method):
         self.cr, self.en, self.cl, self.gs = self.switches(cfg)
         self.names = gff.EXPERT_NAMES if self.en else ("uniform",)
         self.pool: torch.Tensor | None = None
+        published = self.name == "creff"  # CReFF's defaults are the paper's: raw frame, 300 fresh epochs, no finish
+        self.bank_init = cfg.bank_init
+        self.retrain_epochs = cfg.retrain_epochs or (300 if published else 100)
+        self.centred = self.cr and (cfg.gff_centre if cfg.gff_centre is not None else not published)
+        self.uses_stats = self.cr and (self.bank_init == "stats" or self.centred)
+        self.bank_anchor = cfg.bank_anchor if self.cr and self.bank_init == "stats" else "none"
+        frac = cfg.final_round_frac
+        self.final_frac = (0.0 if published else 1.0) if frac is None else frac
 
     @staticmethod
     def switches(cfg) -> tuple[bool, bool, bool, bool]:
@@ -78,12 +90,17 @@ class GTAFL(Method):
         if self.cr:
             W, b = gff.init_heads(len(self.names), num_classes, dim, gen)
             state.extras.update({"expert.weight": W, "expert.bias": b})
+        if self.uses_stats:  # the latest per-class feature statistics; count 0 = never reported yet
+            state.extras.update({"stats.mean": torch.zeros(num_classes, dim), "stats.std": torch.ones(num_classes, dim),
+                                 "stats.count": torch.zeros(num_classes)})
         if self.cl:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
             proj = ProjectionHead(dim, self.cfg.simclr_proj_dim)
             state.extras.update({f"proj.{k}": v.detach().clone() for k, v in proj.state_dict().items()})
         state.meta.update(experts=list(self.names) if self.cr else [], vote=self.cfg.vote,
-                          switches={"cr": self.cr, "en": self.en, "cl": self.cl, "gs": self.gs}, gff_history=[])
+                          switches={"cr": self.cr, "en": self.en, "cl": self.cl, "gs": self.gs}, gff_history=[],
+                          banks={"init": self.bank_init, "anchor": self.bank_anchor, "centred": self.centred}
+                          if self.cr else None)
         return state
 
     # ------------------------------------------------------------ steps
@@ -105,6 +122,8 @@ class GTAFL(Method):
         extras: Tensors = {}
         if self.cr:
             extras = self.expert_gradients(images, labels, payload["expert.weight"], payload["expert.bias"], gen)
+        if round_cfg.get("features_only"):  # the finishing round: one feature pass, no local training
+            return ClientResult(data.client_id, len(data), {}, extras, {"features_only": 1.0})
         weights = None
         metrics: dict[str, float] = {}
         if self.gs:
@@ -119,21 +138,32 @@ class GTAFL(Method):
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return ClientResult(data.client_id, len(data), state, extras, metrics)
 
+    def gradient_sample(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """Up to `grad_samples` local rows per class (indices into `labels`), drawn with `gen`."""
+        pick = []
+        for c in torch.unique(labels):
+            idx = torch.nonzero(labels == c).squeeze(1)
+            pick.append(idx[torch.randperm(len(idx), generator=gen)[: self.cfg.grad_samples]])
+        return torch.cat(pick)
+
     @torch.no_grad()
     def expert_gradients(self, images: torch.Tensor, labels: torch.Tensor, W: torch.Tensor, b: torch.Tensor,
                          gen: torch.Generator) -> Tensors:
-        """Per local class, the mean CE gradient w.r.t. every expert on up to `grad_samples` samples."""
-        classes = torch.unique(labels)
-        pick = []
-        for c in classes:
-            idx = torch.nonzero(labels == c).squeeze(1)
-            pick.append(idx[torch.randperm(len(idx), generator=gen)[: self.cfg.grad_samples]])
-        idx = torch.cat(pick)
+        """Per local class, the mean CE gradient w.r.t. every expert on up to `grad_samples` samples,
+        and (when the banks use them) the class statistics of the same features."""
+        idx = self.gradient_sample(labels, gen)
         self.model.eval()
         feats = self.model.features(self.normalize(images[idx])).float().cpu()  # one pass for all experts
-        W, b = self.match_heads(W.float(), b.float())
-        gW, gb = gff.class_head_gradients(feats, labels[idx], W, b, classes)
-        return {"grad_classes": classes.to(torch.int64), "grad_w": gW, "grad_b": gb}
+        return self.feature_extras(feats, labels[idx], W, b)
+
+    def feature_extras(self, feats: torch.Tensor, labels: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> Tensors:
+        """What a client sends from its feature pass: feats (n, D), labels (n,) -> gradients (+ statistics)."""
+        classes = torch.unique(labels)
+        gW, gb = gff.class_head_gradients(feats, labels, *self.match_heads(W.float(), b.float()), classes)
+        out = {"grad_classes": classes.to(torch.int64), "grad_w": gW, "grad_b": gb}
+        if self.uses_stats:
+            out["stat_sum"], out["stat_sumsq"], out["stat_count"] = gff.class_feature_stats(feats, labels, classes)
+        return out
 
     def match_heads(self, W: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The heads gradients are taken at: each expert's own, or the uniform expert's for all."""
@@ -158,6 +188,10 @@ class GTAFL(Method):
             return f"expert gradients have shapes {tuple(gW.shape)}, {tuple(gb.shape)}; expected {(L, E, C, D)}, {(L, E, C)}"
         if not bool(torch.isfinite(gW).all() and torch.isfinite(gb).all()):
             return "expert gradients contain NaN or Inf"
+        if self.uses_stats:
+            if not all(k in e for k in ("stat_sum", "stat_sumsq", "stat_count")):
+                return "class statistics are missing"
+            return gff.stats_problem(cls, e["stat_sum"], e["stat_sumsq"], e["stat_count"], D)
         return None
 
     def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
@@ -181,6 +215,35 @@ class GTAFL(Method):
         meta["round_timing"] = timing
         return GlobalState(weights, extras, meta)
 
+    def finish_config(self, state: GlobalState) -> dict[str, Any] | None:
+        """The finishing round: the experts are retrained once more from gradients and statistics taken
+        at the final extractor, which removes the one-round lag between the heads and the features
+        they are used on (the clients' gradients of round r describe the extractor of round r − 1)."""
+        if not self.cr or self.final_frac <= 0:
+            return None
+        return {"round": int(state.meta.get("round", 0)) + 1, "seed": self.cfg.seed, "features_only": True,
+                "clients_frac": self.final_frac,
+                "global_counts": [float(v) for v in state.extras["global_counts"].tolist()]}
+
+    def server_finish(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
+        t0 = time.perf_counter()
+        good = [r for r in results if self._finish_problem(r) is None]
+        meta = dict(state.meta, finished=True, finish_dropped=[r.client_id for r in results if r not in good])
+        extras = dict(state.extras)
+        timing: dict[str, float] = {}
+        if good:
+            self._retrain_experts(extras, meta, good, round_, timing)
+        else:
+            log.warning("finishing round: no usable client features; the experts stay as they are")
+        meta["round_timing"] = {**timing, "finish_s": time.perf_counter() - t0}
+        return GlobalState(state.weights, extras, meta)
+
+    def _finish_problem(self, r: ClientResult) -> str | None:
+        why = self._grads_problem(r)
+        if why is not None:
+            log.warning("finishing round: dropping client %s: %s", r.client_id, why)
+        return why
+
     def _retrain_experts(self, extras: Tensors, meta: dict[str, Any], good: list[ClientResult], round_: int,
                          timing: dict[str, float]) -> None:
         t0 = time.perf_counter()
@@ -201,27 +264,96 @@ class GTAFL(Method):
         counts = gff.expert_counts(self.names, global_counts, ranks_from_counts(global_counts), self.cfg.gff_m,
                                    self.cfg.gff_lambda)
         gen = self.generator(round_, SERVER, 2)
+        mean = std = None
+        W, b = extras["expert.weight"], extras["expert.bias"]
+        centre = torch.zeros(D)
+        if self.uses_stats:
+            mean, std, fresh, seen_now = self._update_stats(extras, good, C, D)
+            if self.centred:
+                # The heads are retrained on features minus the class-balanced mean of this round's class
+                # means: real features are ReLU outputs sharing one large mean vector, which zero-mean
+                # banks never carry (docs/design.md). Clients' gradients are exact in this frame:
+                # ∂/∂W at (f − κ) = ∂/∂W at f − ∂/∂b ⊗ κ; the heads they used have bias b + W·κ here.
+                centre = mean[seen_now].mean(0)
+                gW_real = gW_real - gb_real[..., None] * centre
+                b = b + W @ centre
+                mean = mean - centre
         if "gff.features" in extras:
             banks = gff.GFFBanks(extras["gff.features"], extras["gff.counts"])
             if not torch.equal(banks.counts, torch.as_tensor(counts)):
-                banks = banks.resized(counts, gen)
+                banks = banks.resized(counts, gen, *self._init_moments(mean, std))
         else:
-            banks = gff.GFFBanks.create(counts, D, gen)
-        W, b = extras["expert.weight"], extras["expert.bias"]
+            banks = gff.GFFBanks.create(counts, D, gen, *self._init_moments(mean, std))
+        penalty = None
+        if self.bank_init == "stats":
+            # classes reported for the first time replace their placeholder banks with draws from their own stats
+            gff.anchor(banks, "redraw", mean, std, fresh, gen)
+            gff.anchor(banks, self.bank_anchor, mean, std, have, gen)
+            if self.bank_anchor == "penalty":
+                penalty = (mean, std, self.cfg.bank_anchor_weight)
         timing["aggregate_s"] = timing.get("aggregate_s", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
         losses = gff.match(banks, *self.match_heads(W, b), gW_real, gb_real, have, self.cfg.match_steps,
-                           self.cfg.match_lr)
+                           self.cfg.match_lr, penalty)
         timing["gff_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.cfg.expert_init == "fresh":
             W, b = gff.init_heads(E, C, D, gen)
-        W, b, ce = gff.retrain(banks, W, b, self.cfg.retrain_epochs, self.cfg.retrain_lr, self.cfg.retrain_batch, gen)
+        W, b, ce = gff.retrain(banks, W, b, self.retrain_epochs, self.cfg.retrain_lr, self.cfg.retrain_batch, gen)
         timing["retrain_s"] = time.perf_counter() - t0
+        if E > 1:  # the `learned` rule's weights, from the banks in the frame they live in
+            meta["vote_weights"] = [round(float(v), 4) for v in self._learn_vote_weights(banks, W, b, global_counts)]
+        b = b - W @ centre  # back to the frame of raw features: what clients, evaluation and export use
         extras.update({"expert.weight": W, "expert.bias": b, "gff.features": banks.features, "gff.counts": banks.counts})
-        meta["gff_history"] = list(meta.get("gff_history", [])) + [
-            {"round": round_, "match_before": losses[0], "match_after": losses[-1], "retrain_ce": ce,
-             "absent_classes": absent}]
+        if self.centred:
+            extras["gff.centre"] = centre
+        entry = {"round": round_, "match_before": losses[0], "match_after": losses[-1], "retrain_ce": ce,
+                 "absent_classes": absent}
+        if self.bank_init == "stats":  # how far matching moved each bank's mean from μ_c, in class-spread units
+            drift = ((banks.class_means() - mean[None]) ** 2).sum(-1) / (std ** 2).sum(-1).clamp_min(1e-6)[None]
+            entry["bank_mean_drift"] = [round(float(v), 4) for v in drift.sqrt().mean(1)]
+        meta["gff_history"] = list(meta.get("gff_history", [])) + [entry]
+
+    def _update_stats(self, extras: Tensors, good: list[ClientResult], C: int,
+                      D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This round's exact per-class μ and σ; classes nobody reported keep their last ones.
+
+        Returns mean (C, D), std (C, D), fresh (C,): reported for the first time, and seen_now (C,). A class never
+        reported by anyone gets the pooled statistics of the reported classes as a placeholder.
+        """
+        S, Q, N = gff.aggregate_stats([(r.extras["grad_classes"], r.extras["stat_sum"], r.extras["stat_sumsq"],
+                                        r.extras["stat_count"]) for r in good], C, D)
+        mean_now, std_now = gff.moments(S, Q, N)
+        seen_now = N > 0
+        seen_before = extras["stats.count"] > 0
+        mean = torch.where(seen_now[:, None], mean_now, extras["stats.mean"])
+        std = torch.where(seen_now[:, None], std_now, extras["stats.std"])
+        count = torch.where(seen_now, N.float(), extras["stats.count"])
+        known = seen_now | seen_before
+        if bool(known.any()) and not bool(known.all()):
+            tot = N.sum().clamp_min(1)
+            pooled_mean, pooled_std = gff.moments(S.sum(0, keepdim=True), Q.sum(0, keepdim=True), tot.view(1))
+            mean = torch.where(known[:, None], mean, pooled_mean)
+            std = torch.where(known[:, None], std, pooled_std)
+        extras.update({"stats.mean": mean, "stats.std": std, "stats.count": count})
+        return mean, std, seen_now & ~seen_before, seen_now
+
+    @staticmethod
+    def _learn_vote_weights(banks: gff.GFFBanks, W: torch.Tensor, b: torch.Tensor,
+                            global_counts: np.ndarray) -> torch.Tensor:
+        """Expert weights that do best on all banks' rows over the eleven test priors of these counts."""
+        E, C, M, D = banks.features.shape
+        keep = banks.mask.reshape(-1).bool()
+        feats = banks.features.reshape(-1, D)[keep]
+        labels = torch.arange(C)[None, :, None].expand(E, C, M).reshape(-1)[keep]
+        ranks = ranks_from_counts(global_counts)
+        priors = torch.tensor(np.stack([distribution_prior(ranks, kind, f) for _, kind, f in DISTRIBUTIONS]),
+                              dtype=torch.float32)
+        return learn_vote_weights(feats, labels, W, b, priors)
+
+    def _init_moments(self, mean: torch.Tensor | None, std: torch.Tensor | None):
+        """Where new bank slots are drawn: N(μ_c, σ_c²) for `bank_init: stats`, else N(0, 1)."""
+        return (mean, std) if self.bank_init == "stats" else (None, None)
 
     def _simclr(self, weights: Tensors, extras: Tensors, round_: int) -> tuple[Tensors, float]:
         self.model.load_state_dict(weights)
@@ -239,8 +371,10 @@ class GTAFL(Method):
         model.load_state_dict(state.weights)
         if not self.cr:
             return ProbsAndLabel(model).eval()
+        vote = state.meta.get("vote", self.cfg.vote)
         return ExpertEnsemble(model.extractor, state.extras["expert.weight"], state.extras["expert.bias"],
-                              tuple(state.meta.get("experts") or self.names), state.meta.get("vote", self.cfg.vote)).eval()
+                              tuple(state.meta.get("experts") or self.names), vote,
+                              vote_weights(state.meta)).eval()
 
     def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
         rep: dict[str, Any] = {"switches": state.meta.get("switches"), "vote": state.meta.get("vote"),
@@ -259,6 +393,9 @@ class GTAFL(Method):
             head = predict(ProbsAndLabel(model).to(self.device), test.images, self.normalize, self.cfg.eval_batch_size)
             rep["experts"]["original_head"] = evaluate_outputs(head["probs"], head["label"], test.labels, ranks,
                                                                self.cfg.test_seed)["test_distributions"]
+            rep["vote_rules"] = vote_rule_accuracies(outputs, names, state.meta, test.labels, ranks, self.cfg.test_seed)
+        rep["banks"] = state.meta.get("banks")
+        rep["vote_weights"] = state.meta.get("vote_weights")
         return rep
 
 
