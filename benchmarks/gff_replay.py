@@ -109,7 +109,10 @@ def _embed_split(method, weights, images_u8: np.ndarray) -> torch.Tensor:
 
 def replay(cache: dict, overrides: dict) -> dict:
     """The server's expert loop under `overrides`; returns the final extras and meta."""
-    cfg = RunConfig.from_dict({**cache["config"], "method": "gtafl", "cl": False, "cr": True, **overrides}).validate()
+    recorded = dict(cache["config"])
+    if recorded.get("bank_init") == "auto":  # runs made while `auto` (= normal banks for gtafl) existed
+        recorded["bank_init"] = "normal"
+    cfg = RunConfig.from_dict({**recorded, "method": "gtafl", "cl": False, "cr": True, **overrides}).validate()
     method = make_method(cfg, ModelConfig.from_dict(cache["model_config"]), Preprocess.from_dict(cache["preprocess"]))
     state = method.init_state(np.asarray(cache["train_counts"]))
     method.round_config(state, {k: {"class_counts": torch.tensor(row, dtype=torch.float32)}
@@ -205,12 +208,14 @@ def write(results: dict, variants: dict, name: str) -> None:
              "with other server-side random draws). Prior-weighted accuracy %, the eleven-distribution mean, as "
              "mean ± sd over the replays; Δ is the paired mean difference to the first variant. Decisions are read "
              "from the validation columns; the test columns chose nothing.", "",
-             "| variant | val hard | val soft | val conf. | Δ val hard | val F / U / B expert | spec. val | "
-             "spec. test | F50 gap val | B50 gap val | test hard | test soft | test F / U / B expert |",
-             "|---" * 13 + "|"]
+             "| variant | val hard | val soft | val conf. | val learned | Δ val hard | val F / U / B expert | spec. val | "
+             "spec. test | F50 gap val | B50 gap val | test hard | test soft | test learned | test F / U / B expert |",
+             "|---" * 15 + "|"]
     for vname, runs in results.items():
         def ms(split, key):
-            xs = [100 * r[split][key]["avg"] for r in runs.values()]
+            xs = [100 * r[split][key]["avg"] for r in runs.values() if key in r[split]]
+            if not xs:
+                return "—"
             return f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.2f}"
 
         def m(split, key):
@@ -223,10 +228,11 @@ def write(results: dict, variants: dict, name: str) -> None:
                              for r in runs.values())
         n = len(runs)
         lines.append(f"| {vname} | {ms('val', 'hard')} | {ms('val', 'soft')} | {ms('val', 'confidence')} | "
-                     f"{statistics.mean(delta):+.2f} | {m('val', 'forward')} / {m('val', 'uniform')} / "
+                     f"{ms('val', 'learned')} | {statistics.mean(delta):+.2f} | {m('val', 'forward')} / {m('val', 'uniform')} / "
                      f"{m('val', 'backward')} | {sum(_spec(r['val']) for r in runs.values())}/{n} | "
                      f"{sum(_spec(r['test']) for r in runs.values())}/{n} | {gf:+.1f} | {gb:+.1f} | "
-                     f"{ms('test', 'hard')} | {ms('test', 'soft')} | {m('test', 'forward')} / {m('test', 'uniform')} / "
+                     f"{ms('test', 'hard')} | {ms('test', 'soft')} | {ms('test', 'learned')} | {m('test', 'forward')} / "
+                     f"{m('test', 'uniform')} / "
                      f"{m('test', 'backward')} |")
     lines += ["", "F50 gap: forward minus backward expert on forward50; B50 gap: backward minus forward expert on "
               "backward50 (both positive when the experts specialise as designed).", "",
@@ -249,8 +255,8 @@ def verify(run: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("verb", choices=("record", "sweep", "verify"))
-    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("verb", choices=("record", "sweep", "verify", "table"))
+    p.add_argument("runs", nargs="*", type=Path)
     p.add_argument("--variants", type=Path)
     p.add_argument("--name", default="gff_replay")
     p.add_argument("--server-seeds", type=int, default=1, help="replays per run with other server-side random draws")
@@ -260,6 +266,9 @@ def main() -> None:
         for run in a.runs:
             t0 = time.perf_counter()
             print(f"{record(run)} ({time.perf_counter() - t0:.0f} s)")
+    elif a.verb == "table":  # the Markdown table again from benchmarks/results/<name>.json
+        d = json.loads((REPO / "benchmarks" / "results" / f"{a.name}.json").read_text())
+        write(d["results"], d["variants"], a.name)
     elif a.verb == "verify":
         for run in a.runs:
             verify(run)

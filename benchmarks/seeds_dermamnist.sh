@@ -5,13 +5,15 @@
 # the client partition, the initialisation and every sampling draw. Then one `tafl compare` over all runs: rows
 # are configurations, cells mean ± sd over the seeds.
 # Usage: benchmarks/seeds_dermamnist.sh [DATA_ROOT] [ROW ...]   (ROW: fedavg creff creff_stats gtafl nocl nogs noen)
-#        SEEDS="1 2 3" (default) picks the seeds.
+#        SEEDS="1 2 3" (default) picks the seeds; DATASET=pneumoniamnist (any MedMNIST flag in DATA_ROOT) runs the
+#        same protocol on another dataset (natural long tail, the same config otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=${1:-../shared/data/medmnist}
 shift || true
 rows=${*:-fedavg creff creff_stats gtafl nocl nogs noen}
 seeds=${SEEDS:-1 2 3}
+dataset=${DATASET:-dermamnist}
 for r in $rows; do
   case $r in
     fedavg)      args=(--method fedavg) ;;
@@ -24,11 +26,11 @@ for r in $rows; do
     *) echo "unknown row $r" >&2; exit 2 ;;
   esac
   for s in $seeds; do
-    name=${r}_s${s}_dermamnist
+    name=${r}_s${s}_${dataset}
     if [[ -f benchmarks/out/$name/report.json && -z ${FORCE:-} ]]; then echo "$name: done already"; continue; fi
-    python benchmarks/train_bench.py "${args[@]}" --data-root "$root" --name "$name" --seed "$s"
+    python benchmarks/train_bench.py "${args[@]}" --data-root "$root" --name "$name" --seed "$s" --dataset "$dataset"
   done
 done
-python -m tafl.cli compare benchmarks/out/*_s[0-9]*_dermamnist --out benchmarks/results/seeds_dermamnist.md \
-  --plot docs/dermamnist_seeds.png > /dev/null
-echo "tables: benchmarks/results/seeds_dermamnist.md"
+python -m tafl.cli compare benchmarks/out/*_s[0-9]*_"$dataset" --out benchmarks/results/seeds_"$dataset".md \
+  --plot docs/"$dataset"_seeds.png > /dev/null
+echo "tables: benchmarks/results/seeds_$dataset.md"

@@ -306,12 +306,15 @@ def _finish(method: Method, state: GlobalState, transport: Transport, round_cfg:
     book["timing"]["client_s"] += cost["client_s"]
     t0 = time.perf_counter()
     state = method.server_finish(state, results, round_cfg["round"])
-    book["timing"]["server_s"] += time.perf_counter() - t0
+    own = {"client_s": cost["client_s"], "server_s": time.perf_counter() - t0}
+    book["timing"]["server_s"] += own["server_s"]
     for key, secs in state.meta.pop("round_timing", {}).items():
         book["timing"][key] = book["timing"].get(key, 0.0) + secs
+        own[key] = secs
     answered = {r.client_id for r in results}
     book["finish"] = {"clients": ids, "dropped": sorted(set(state.meta.get("finish_dropped", [])) | (set(ids) - answered)),
-                      "seconds": time.perf_counter() - t_round}
+                      "seconds": time.perf_counter() - t_round, "timing": own,
+                      "uplink_bytes": cost["uplink_bytes"], "downlink_bytes": cost["downlink_bytes"]}
     log.info("finishing round: %d of %d clients answered, %.1f s", len(answered), len(ids), book["finish"]["seconds"])
     return state
 

@@ -80,6 +80,27 @@ def test_vote_tie_rule_is_inside_the_graph(tmp_path, gtafl_run):
         assert votes.sum(1).tolist() == [3.0] * 4
 
 
+def test_learned_vote_weights_are_exported_into_the_graph(tmp_path, gtafl_run):
+    """A model whose rule is `learned` carries its weights into the graph and the metadata."""
+    ck = load_checkpoint(gtafl_run / "final.pt")
+    W = ck["state"]["extras"]["expert.weight"]
+    b = torch.full((3, 10), -5.0)
+    b[0, 2], b[1, 5], b[2, 8] = 2.0, 3.0, 2.5  # soft with equal weights picks class 5; with these, class 8
+    ck["state"]["extras"]["expert.weight"] = torch.zeros_like(W)
+    ck["state"]["extras"]["expert.bias"] = b
+    ck["state"]["meta"].update(vote="learned", vote_weights=[0.1, 0.2, 0.7])
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    Image.fromarray(np.full((16, 16), 128, np.uint8), "L").save(imgs / "a.png")
+    path = save_checkpoint({k: v for k, v in ck.items() if k not in ("format", "version")}, tmp_path / "learned.pt")
+    pkg = export_checkpoint(path, tmp_path / "pkg_learned", images=str(imgs))
+    assert pkg.metadata["vote"]["rule"] == "learned" and pkg.metadata["vote"]["weights"] == pytest.approx([0.1, 0.2, 0.7])
+    sess = ort.InferenceSession(str(pkg.model_path), providers=["CPUExecutionProvider"])
+    x = np.zeros((2, 1, 16, 16), np.float32)
+    (label,) = sess.run(["label"], {"image": x})
+    assert label.tolist() == [8, 8]
+
+
 def test_tampered_and_incomplete_packages_are_refused(tmp_path, gtafl_pkg):
     bad = tmp_path / "tampered"
     shutil.copytree(gtafl_pkg, bad)

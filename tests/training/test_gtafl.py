@@ -423,3 +423,16 @@ def test_learned_rule_is_the_weighted_soft_vote():
     x = torch.zeros(1, 1)
     assert int(ExpertEnsemble(torch.nn.Identity(), W, b, names, "learned", (0.1, 0.2, 0.7))(x)["label"]) == 2
     assert int(ExpertEnsemble(torch.nn.Identity(), W, b, names, "learned", (0.6, 0.2, 0.2))(x)["label"]) == 0
+
+
+def test_default_lambda_makes_the_banks_independent_of_the_data_size(smoke_cfg):
+    m, _, _ = _method_and_clients(_smoke(smoke_cfg, "gtafl", cl=False))
+    small, big = np.array([400, 100, 40, 10]), np.array([400, 100, 40, 10]) * 50
+    ranks = np.arange(4)
+    a = gff.expert_counts(gff.EXPERT_NAMES, small, ranks, 100, m.gff_lambda(small))
+    b = gff.expert_counts(gff.EXPERT_NAMES, big, ranks, 100, m.gff_lambda(big))
+    assert np.array_equal(a, b)
+    assert a[0].tolist() == [100 + round(100 * 400 / 137.5), 173, 129, 107]  # m·(1 + d_c / mean d)
+    assert a[0].sum() == pytest.approx(2 * a[1].sum(), abs=4)  # the forward bank is twice the uniform one
+    smoke_cfg.gff_lambda = 0.01  # the paper's fixed λ stays available
+    assert make_method(smoke_cfg, m.model_cfg, m.preprocess).gff_lambda(big) == 0.01

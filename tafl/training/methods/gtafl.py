@@ -60,7 +60,7 @@ class GTAFL(Method):
         self.cr, self.en, self.cl, self.gs = self.switches(cfg)
         self.names = gff.EXPERT_NAMES if self.en else ("uniform",)
         self.pool: torch.Tensor | None = None
-        published = self.name == "creff"  # CReFF's defaults are the paper's: raw frame, 300 fresh epochs, no finish
+        published = self.name == "creff"  # CReFF keeps the paper's setting: raw frame, 300 epochs, no finishing round
         self.bank_init = cfg.bank_init
         self.retrain_epochs = cfg.retrain_epochs or (300 if published else 100)
         self.centred = self.cr and (cfg.gff_centre if cfg.gff_centre is not None else not published)
@@ -262,7 +262,7 @@ class GTAFL(Method):
             log.info("round %d: class(es) %s held by no participating client; their GFF banks are kept", round_, absent)
         global_counts = extras["global_counts"].numpy()
         counts = gff.expert_counts(self.names, global_counts, ranks_from_counts(global_counts), self.cfg.gff_m,
-                                   self.cfg.gff_lambda)
+                                   self.gff_lambda(global_counts))
         gen = self.generator(round_, SERVER, 2)
         mean = std = None
         W, b = extras["expert.weight"], extras["expert.bias"]
@@ -315,7 +315,7 @@ class GTAFL(Method):
         meta["gff_history"] = list(meta.get("gff_history", [])) + [entry]
 
     def _update_stats(self, extras: Tensors, good: list[ClientResult], C: int,
-                      D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """This round's exact per-class μ and σ; classes nobody reported keep their last ones.
 
         Returns mean (C, D), std (C, D), fresh (C,): reported for the first time, and seen_now (C,). A class never
@@ -337,6 +337,14 @@ class GTAFL(Method):
             std = torch.where(known[:, None], std, pooled_std)
         extras.update({"stats.mean": mean, "stats.std": std, "stats.count": count})
         return mean, std, seen_now & ~seen_before, seen_now
+
+    def gff_lambda(self, global_counts: np.ndarray) -> float:
+        """The configured λ, or m / mean class count: the banks' shape then depends on the class
+        distribution only, not on how many images the federation holds."""
+        if self.cfg.gff_lambda is not None:
+            return self.cfg.gff_lambda
+        mean = float(np.mean(global_counts))
+        return self.cfg.gff_m / mean if mean > 0 else 0.0
 
     @staticmethod
     def _learn_vote_weights(banks: gff.GFFBanks, W: torch.Tensor, b: torch.Tensor,
