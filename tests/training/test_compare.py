@@ -63,3 +63,13 @@ def test_labels_separate_ablation_rows_and_the_plot_is_written(tmp_path):
 def test_a_folder_without_a_report_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="no report.json"):
         compare([tmp_path])
+
+
+def test_cli_compare_prints_mean_and_sd_and_writes_the_plot(tmp_path, capsys):
+    from tafl.cli import main
+
+    runs = [str(_write(tmp_path, f"r{s}", _report("creff", s, 0.3 + 0.02 * s))) for s in (1, 2, 3)]
+    assert main(["compare", *runs, "--out", str(tmp_path / "t.md"), "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| creff | 3 (1, 2, 3) |" in out and "34.00 ± 2.00" in out
+    assert (tmp_path / "p.png").stat().st_size > 1000

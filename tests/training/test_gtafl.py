@@ -436,3 +436,15 @@ def test_default_lambda_makes_the_banks_independent_of_the_data_size(smoke_cfg):
     assert a[0].sum() == pytest.approx(2 * a[1].sum(), abs=4)  # the forward bank is twice the uniform one
     smoke_cfg.gff_lambda = 0.01  # the paper's fixed λ stays available
     assert make_method(smoke_cfg, m.model_cfg, m.preprocess).gff_lambda(big) == 0.01
+
+
+@pytest.mark.slow
+def test_continuing_a_finished_model_finishes_again(tmp_path, smoke_cfg):
+    """`tafl retrain` starts from a finished model; its new rounds make the finishing round due again."""
+    cfg = _smoke(smoke_cfg, "gtafl", cl=False, rounds=1)
+    train(cfg, tmp_path / "first", progress=False)
+    ck = load_checkpoint(tmp_path / "first" / "final.pt")
+    assert ck["state"]["meta"]["finished"] is True
+    report = train(cfg, tmp_path / "again", progress=False, init_from=ck)
+    assert report["finishing_round"]["clients"] == [0, 1, 2, 3]
+    assert load_checkpoint(tmp_path / "again" / "final.pt")["state"]["meta"]["finished"] is True

@@ -198,7 +198,8 @@ class GTAFL(Method):
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
         good = check_results(state.weights, results, extra_check=self._grads_problem)
-        meta = dict(state.meta, round=round_, dropped=[r.client_id for r in results if r not in good])
+        # a new round makes the experts lag the extractor again: the finishing round is due again
+        meta = dict(state.meta, round=round_, dropped=[r.client_id for r in results if r not in good], finished=False)
         extras = dict(state.extras)
         if not good:
             log.warning("round %d: no usable client update; the global model is unchanged", round_)
