@@ -1,0 +1,125 @@
+"""tafl.prior: calibration, EM prior estimation and the adapted rule, on data whose truth is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tafl.errors import ConfigError
+from tafl.prior import (Calibration, adapt, check_prior, em_prior, fit_calibration, log_prior_ratio, nll_stats,
+                        softmax, sum_stats, total_variation)
+
+C = 5
+SOURCE = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+MU = np.random.default_rng(0).normal(0, 1, (C, C)) * 1.2  # overlapping classes: priors matter
+
+
+def _draw(prior, n, seed):
+    """Gaussian classes with known means: the exact posterior under `SOURCE` is softmax(true_logits)."""
+    rng = np.random.default_rng(seed)
+    y = rng.choice(C, n, p=prior)
+    x = MU[y] + rng.normal(0, 1, (n, C))
+    true_logits = -0.5 * ((x[:, None, :] - MU[None]) ** 2).sum(-1) + np.log(SOURCE)
+    return true_logits, y
+
+
+def test_em_recovers_a_shifted_prior_from_exact_posteriors():
+    target = np.array([0.05, 0.1, 0.15, 0.2, 0.5])  # the training mix reversed: an outbreak of the rare classes
+    z, _ = _draw(target, 5000, 1)
+    est = em_prior(softmax(z), SOURCE)
+    assert est.converged and est.images == 5000
+    assert total_variation(est.prior, target) < 0.03
+    assert est.shift == pytest.approx(total_variation(est.prior, SOURCE))
+    # with no shift the estimate stays at the source prior
+    z0, _ = _draw(SOURCE, 5000, 2)
+    assert total_variation(em_prior(softmax(z0), SOURCE).prior, SOURCE) < 0.03
+
+
+def test_em_with_no_images_or_the_iteration_cap():
+    est = em_prior(np.zeros((0, C)), SOURCE)
+    assert est.images == 0 and np.allclose(est.prior, SOURCE)
+    z, _ = _draw(SOURCE[::-1], 500, 3)
+    capped = em_prior(softmax(z), SOURCE, max_iter=2)
+    assert capped.iterations == 2 and not capped.converged
+    with pytest.raises(ValueError):
+        em_prior(np.ones((3, C + 1)) / (C + 1), SOURCE)
+
+
+def test_the_adapted_rule_is_the_bayes_rule_for_the_new_prior():
+    target = np.array([0.05, 0.1, 0.15, 0.2, 0.5])
+    z, y = _draw(target, 4000, 4)
+    p = softmax(z)
+    plain = (p.argmax(1) == y).mean()
+    adapted = (adapt(p, SOURCE, target).argmax(1) == y).mean()
+    assert adapted > plain + 0.05
+    # adapting to the source prior changes nothing; the shift is log q − log π
+    assert np.allclose(adapt(p, SOURCE, SOURCE), p)
+    assert np.allclose(log_prior_ratio(target, SOURCE), np.log(target) - np.log(SOURCE))
+
+
+def test_bcts_undoes_a_temperature_and_per_class_biases():
+    z, y = _draw(SOURCE, 6000, 5)
+    bias = np.array([1.0, 0.0, -1.0, 0.5, 0.0])
+    bad = 3.0 * z + bias  # overconfident and biased
+    cal = fit_calibration(bad, y, "bcts")
+    assert cal.temperature == pytest.approx(3.0, rel=0.1)
+    assert cal.fit["nll_after"] < cal.fit["nll_before"]
+    assert np.allclose(cal.bias, -(bias - bias.mean()) / 3.0, atol=0.15)
+    # calibrated posteriors give EM its exact-posterior accuracy again
+    target = np.array([0.05, 0.1, 0.15, 0.2, 0.5])
+    zt, _ = _draw(target, 3000, 6)
+    calibrated = em_prior(cal.probs(3.0 * zt + bias), cal.source_prior).prior
+    raw = em_prior(softmax(3.0 * zt + bias), cal.source_prior).prior
+    assert total_variation(calibrated, target) < 0.04 < total_variation(raw, target)
+    temp = fit_calibration(bad, y, "temperature")
+    assert temp.bias is None and temp.fit["nll_after"] >= cal.fit["nll_after"] - 1e-9
+
+
+def test_federated_sums_equal_the_pooled_statistics():
+    z, y = _draw(SOURCE, 900, 7)
+    parts = [nll_stats(z[i::3], y[i::3], 0.7, np.array([0.1, 0, 0, -0.1, 0]), "bcts") for i in range(3)]
+    pooled = nll_stats(z, y, 0.7, np.array([0.1, 0, 0, -0.1, 0]), "bcts")
+    total = sum_stats(parts)
+    for k in pooled:
+        assert np.allclose(total[k], pooled[k])
+    # an empty client contributes nothing
+    empty = nll_stats(np.zeros((0, C)), np.zeros(0, np.int64), 1.0, None, "bcts")
+    assert float(empty["n"][0]) == 0 and not empty["grad"].any()
+
+
+def test_gradient_and_hessian_match_finite_differences():
+    z, y = _draw(SOURCE, 200, 8)
+    theta = np.array([0.8, 0.2, -0.1, 0.0, 0.3, -0.4])
+
+    def nll(t):
+        return float(nll_stats(z, y, t[0], t[1:], "bcts")["nll"][0])
+
+    s = nll_stats(z, y, theta[0], theta[1:], "bcts")
+    eps = 1e-5
+    num = np.array([(nll(theta + eps * e) - nll(theta - eps * e)) / (2 * eps) for e in np.eye(len(theta))])
+    assert np.allclose(s["grad"], num, rtol=1e-4, atol=1e-4)
+    num_h = np.array([(nll_stats(z, y, *(lambda t: (t[0], t[1:]))(theta + eps * e), "bcts")["grad"]
+                       - nll_stats(z, y, *(lambda t: (t[0], t[1:]))(theta - eps * e), "bcts")["grad"]) / (2 * eps)
+                      for e in np.eye(len(theta))])
+    assert np.allclose(s["hess"], num_h, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("bad, why", [([0.5, 0.5, 0.1, 0, 0], "sum to 1"), ([1.2, -0.2, 0, 0, 0], "negative"),
+                                      ([0.5, 0.5], "one value per class"), ([np.nan, 1, 0, 0, 0], "finite"),
+                                      ("abc", "numbers")])
+def test_an_explicit_prior_is_checked(bad, why):
+    with pytest.raises(ConfigError, match=why):
+        check_prior(bad, C)
+    assert np.allclose(check_prior([0.2] * 5, C), 0.2)
+
+
+def test_calibration_round_trips_and_refuses_bad_values():
+    cal = Calibration(0.5, np.array([0.1, -0.1, 0, 0, 0]), SOURCE, "bcts", {"iterations": 3})
+    back = Calibration.from_dict(cal.to_dict(), C)
+    assert back.temperature == pytest.approx(2.0) and np.allclose(back.bias, cal.bias)
+    assert np.allclose(back.source_prior, SOURCE)
+    assert Calibration.from_dict(None).kind == "none"
+    with pytest.raises(ConfigError):
+        Calibration.from_dict({"temperature": -1.0})
+    with pytest.raises(ConfigError):
+        Calibration.from_dict({"bias": [0.0, 1.0]}, C)
