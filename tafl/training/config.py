@@ -109,6 +109,17 @@ class RunConfig:
     simclr_batch: int = 64  # images per SimCLR step (two views each)
     simclr_tau: float = 0.5  # NT-Xent temperature
     simclr_proj_dim: int = 128  # projection head output size
+    # --- calibration and prior-aware inference (tafl.prior) ---
+    # calibration fitted federatedly after training, on the clients' held-out rows (only NLL sums, gradients and
+    # Hessians of 1 + C numbers leave a client): none | temperature | bcts (temperature and per-class biases)
+    calibration: str = "none"
+    calib_holdout: float = 0.0  # share of every client's rows held out of training for the calibration; 0: none
+    calib_rounds: int = 25  # calibration Newton rounds at most
+    # GTAFL: the posteriors calibration and prior estimation use: experts (mean of the experts' log-probabilities)
+    # | uniform (the uniform expert's) ; the voted label stays the rule without a prior
+    calib_source: str = "experts"
+    adapt_sizes: str = "100,500"  # unlabeled images per prior estimate in the evaluation, comma-separated
+    adapt_draws: int = 5  # draws of unlabeled images per distribution and size in the evaluation
     # --- ViT-DAFL (DESIGN.md §5) ---
     loss: str = "dafl"  # dafl | focal | ce (the loss ablation)
     gamma_init: float = 2.0  # focusing parameter γ at the start (learnable for dafl unless gamma_fixed)
@@ -138,6 +149,9 @@ class RunConfig:
     keep_checkpoints: int = 2  # per-round checkpoints kept in OUT/checkpoints
 
     # ------------------------------------------------------------------
+    def adapt_size_list(self) -> list[int]:
+        return [int(v) for v in str(self.adapt_sizes).split(",") if v.strip()]
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -244,6 +258,22 @@ class RunConfig:
             raise bad("dafl_lambda", "must be in [0, 1]")
         if not 0 <= self.gamma_init <= self.gamma_max:
             raise bad("gamma_init", f"must be in [0, gamma_max={self.gamma_max}]")
+        if self.calibration not in ("none", "temperature", "bcts"):
+            raise bad("calibration", "choose none, temperature or bcts")
+        if not 0 <= self.calib_holdout < 0.5:
+            raise bad("calib_holdout", "must be in [0, 0.5)")
+        if self.calibration != "none" and self.calib_holdout <= 0:
+            raise bad("calib_holdout", f"calibration '{self.calibration}' needs held-out client rows (e.g. 0.1)")
+        if self.calib_rounds < 1 or self.adapt_draws < 1:
+            raise bad("calib_rounds", "calib_rounds and adapt_draws must be >= 1")
+        if self.calib_source not in ("experts", "uniform"):
+            raise bad("calib_source", "choose experts or uniform")
+        try:
+            sizes = self.adapt_size_list()
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            raise bad("adapt_sizes", "must be comma-separated image counts >= 1, e.g. 100,500")
         if self.device not in ("cpu", "cuda", "auto"):
             raise bad("device", "choose cpu, cuda or auto")
         if self.dataset == "folder" and (not self.data_root or not self.labels):

@@ -28,6 +28,7 @@ import torch
 
 from tafl.errors import ConfigError, DataError
 from tafl.training.config import RunConfig
+from tafl.training.longtail import holdout_split
 from tafl.training.methods.base import ClientData, ClientResult, Tensors, tensor_bytes
 from tafl.training.transport import Transport
 
@@ -80,7 +81,7 @@ def _client(content, context) -> tuple[Any, ClientData]:
             raise ConfigError(f"this SuperNode is partition {pid} of {n}, but the run has {cfg.clients} clients")
         prep = prepare(cfg)
         data = ClientData(pid, torch.from_numpy(prep.train.images), torch.from_numpy(prep.train.labels),
-                          torch.from_numpy(prep.parts[pid]), len(class_names))
+                          torch.from_numpy(prep.parts[pid]), len(class_names), torch.from_numpy(prep.holdouts[pid]))
     else:  # a site's own data, named in its node config
         local = RunConfig.from_dict(cfg.to_dict())
         local.update({k.replace("-", "_"): v for k, v in node_cfg.items() if k.replace("-", "_") in DATA_KEYS},
@@ -90,8 +91,9 @@ def _client(content, context) -> tuple[Any, ClientData]:
         if list(ds.class_names) != list(class_names):
             raise DataError(f"this site's classes {ds.class_names} differ from the federation's {class_names}")
         cid = int(node_cfg.get("client-id", context.node_id % (2**31)))
+        (rows,), (held,) = holdout_split([np.arange(len(ds.train))], cfg.calib_holdout, cfg.seed + cid)
         data = ClientData(cid, torch.from_numpy(ds.train.images), torch.from_numpy(ds.train.labels),
-                          torch.arange(len(ds.train)), len(class_names))
+                          torch.from_numpy(rows), len(class_names), torch.from_numpy(held))
     method = make_method(cfg, model_cfg, pre, "cpu")
     _NODE_CACHE.clear()  # one run at a time per process
     _NODE_CACHE[key] = (method, data)

@@ -132,6 +132,20 @@ def _dirichlet_group(idx: np.ndarray, labels: np.ndarray, k: int, alpha: float, 
                     f"{min_needed} after {max_tries} tries; use fewer clients or a larger alpha")
 
 
+def holdout_split(parts: list[np.ndarray], frac: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's rows split into training rows and held-out rows (`frac` of them, for the calibration
+    round); a client keeps at least one training row. frac 0 returns the parts unchanged."""
+    if frac <= 0:
+        return parts, [np.zeros(0, np.int64) for _ in parts]
+    train, held = [], []
+    for k, p in enumerate(parts):
+        n = min(int(round(frac * len(p))), max(len(p) - 1, 0))
+        perm = np.random.default_rng([seed, 211, k]).permutation(p)
+        held.append(np.sort(perm[:n]).astype(np.int64))
+        train.append(np.sort(perm[n:]).astype(np.int64))
+    return train, held
+
+
 def client_class_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
     """(K, C) count matrix."""
     return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts])

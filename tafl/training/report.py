@@ -121,6 +121,27 @@ def render_markdown(r: dict[str, Any]) -> str:
     if r.get("experts"):
         lines += ["", "## Experts (prior-weighted accuracy, %)", ""]
         lines += distribution_table({name: {"test_distributions": e} for name, e in r["experts"].items()})
+    pa = r.get("prior_adaptation")
+    if pa:
+        cal = pa["calibration"]
+        how = (f"calibrated ({cal['kind']}, T {cal['temperature']:.3f}, fitted federatedly on "
+               f"{cal.get('fit', {}).get('images', '?')} held-out client images)" if pa.get("calibrated")
+               else "uncalibrated (no calibration round; `--calibration bcts --calib-holdout 0.1`)")
+        lines += ["", "## Prior-aware inference (%)", "",
+                  f"Posteriors: {pa['posteriors']}, {how}. `EM n`: the decision adapted to the class prior that EM "
+                  f"estimates from n unlabeled test images drawn with the distribution's prior (mean of "
+                  f"{pa['draws']} draws); `oracle`: adapted to the true prior; `calibrated`: the calibrated "
+                  "posteriors' own argmax.", ""]
+        rows = {"plain rule": r, "calibrated": {"test_distributions": {
+            n: {"accuracy": d.get("calibrated")} for n, d in r["test_distributions"].items()}}}
+        for size in pa["sizes"]:
+            rows[f"EM {size}"] = {"test_distributions": {n: {"accuracy": d["adaptive"][str(size)]["accuracy"]}
+                                                         for n, d in r["test_distributions"].items()}}
+            rows[f"estimate TV, {size}"] = {"test_distributions": {n: {"accuracy": d["adaptive"][str(size)]["tv"]}
+                                                                  for n, d in r["test_distributions"].items()}}
+        rows["oracle"] = {"test_distributions": {n: {"accuracy": d.get("oracle")}
+                                                 for n, d in r["test_distributions"].items()}}
+        lines += distribution_table(rows)
     m = r["uniform_metrics"]
     lines += ["", "## Metrics (%)", "", "| test mix | accuracy | macro F1 | precision | recall | specificity | AUC |",
               "|---|---|---|---|---|---|---|",

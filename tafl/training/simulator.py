@@ -30,7 +30,8 @@ from tafl.training.config import RunConfig
 from tafl.training.data import Dataset, Split, index_hash, load_dataset
 from tafl.training.ensemble import vote_rule_accuracies
 from tafl.training.evaluate import balanced_accuracy, evaluate_outputs, predict
-from tafl.training.longtail import class_ranks, client_class_counts, dirichlet_partition, make_longtail, select_clients
+from tafl.training.longtail import (class_ranks, client_class_counts, dirichlet_partition, holdout_split, make_longtail,
+                                    select_clients)
 from tafl.training.methods import GlobalState, Method, method_class
 from tafl.training.methods.base import ClientData, tensor_bytes
 from tafl.training.models import ModelConfig
@@ -46,7 +47,8 @@ class Prepared:
 
     dataset: Dataset
     train: Split  # the long-tailed training set
-    parts: list[np.ndarray]  # client -> row indices into `train`
+    parts: list[np.ndarray]  # client -> row indices into `train` it trains on
+    holdouts: list[np.ndarray]  # client -> rows it holds out of training for the calibration round
     ranks: np.ndarray  # training-frequency rank per class
     train_counts: np.ndarray  # (C,)
     client_counts: np.ndarray  # (K, C)
@@ -70,11 +72,12 @@ def prepare(cfg: RunConfig) -> Prepared:
     ranks = class_ranks(train.labels, ds.num_classes)
     parts = dirichlet_partition(train.labels, cfg.clients, cfg.alpha, cfg.seed, equal=cfg.partition == "equal",
                                 num_classes=ds.num_classes)
+    parts, holdouts = holdout_split(parts, cfg.calib_holdout, cfg.seed)
     cc = client_class_counts(train.labels, parts, ds.num_classes)
     model_cfg = ModelConfig(backbone=cfg.backbone, num_classes=ds.num_classes, in_chans=ds.preprocess.channels,
                             img_size=ds.preprocess.size, width=cfg.width, patch_size=cfg.patch_size,
                             embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads)
-    return Prepared(ds, train, parts, ranks, counts, cc, model_cfg, index_hash(cfg.dataset, train.ids, train.labels))
+    return Prepared(ds, train, parts, holdouts, ranks, counts, cc, model_cfg, index_hash(cfg.dataset, train.ids, train.labels))
 
 
 def make_method(cfg: RunConfig, model_cfg: ModelConfig, preprocess, device: torch.device | str = "cpu") -> Method:
@@ -163,7 +166,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
     if transport_factory is None:
         images = torch.from_numpy(prep.train.images)  # the one copy of the training data
         labels = torch.from_numpy(prep.train.labels)
-        clients = [ClientData(k, images, labels, torch.from_numpy(p), ds.num_classes) for k, p in enumerate(prep.parts)]
+        clients = [ClientData(k, images, labels, torch.from_numpy(p), ds.num_classes, torch.from_numpy(h))
+                   for k, (p, h) in enumerate(zip(prep.parts, prep.holdouts))]
         transport: Transport = InProcessTransport(method, clients)
     else:
         transport = transport_factory(method, prep)
@@ -228,6 +232,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
     finish_cfg = method.finish_config(kept)
     if finish_cfg is not None and not kept.meta.get("finished"):
         kept = _finish(method, kept, transport, finish_cfg, cfg, book)
+    if cfg.calibration != "none" and "calibration" not in kept.meta:
+        kept = _calibrate(method, kept, transport, cfg, book)
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")
@@ -319,6 +325,90 @@ def _finish(method: Method, state: GlobalState, transport: Transport, round_cfg:
     return state
 
 
+CALIB_KEYS = ("nll", "grad", "hess", "counts", "n")
+
+
+def calibration_problem(r, num_classes: int, params: int) -> str | None:
+    """Why a client's calibration statistics cannot be summed, or None."""
+    e = r.extras
+    shapes = {"nll": (1,), "grad": (params,), "hess": (params, params), "counts": (num_classes,), "n": (1,)}
+    for k, shape in shapes.items():
+        t = e.get(f"calib_{k}")
+        if t is None or tuple(t.shape) != shape:
+            return f"calib_{k} is missing or not of shape {shape}"
+        if not bool(torch.isfinite(t).all()):
+            return f"calib_{k} contains NaN or Inf"
+    counts, n = e["calib_counts"], float(e["calib_n"][0])
+    if bool((counts < 0).any()) or abs(float(counts.sum()) - n) > 1e-6 or n < 0:
+        return "calibration counts are negative or do not add up to the number of images"
+    return None
+
+
+def _calibrate(method: Method, state: GlobalState, transport: Transport, cfg: RunConfig,
+               book: dict[str, Any]) -> GlobalState:
+    """The federated calibration (tafl.prior): damped Newton rounds on the NLL of every client's held-out rows.
+
+    Each round sends the current (scale, bias); each client answers sums over its held-out rows (NLL, gradient,
+    Hessian, class counts), so the fit equals one on the pooled held-out rows without pooling them. The clients
+    that answer the first round are the calibration set; a later round missing one of them ends the fit at the
+    best point so far. The source prior is the pooled held-out rows' class mix."""
+    from tafl.prior import NewtonCalibrator, sum_stats
+
+    t_start = time.perf_counter()
+    C = int(method.model_cfg.num_classes)
+    cal = NewtonCalibrator(C, cfg.calibration, cfg.calib_rounds)
+    n_params = 1 if cfg.calibration == "temperature" else 1 + C
+    ids = list(range(transport.num_clients))
+    payload = method.broadcast(state)
+    round_id = cfg.rounds + 2  # after the finishing round's rounds + 1
+    members: set[int] | None = None
+    counts = None
+    params = cal.params()
+    comm = book["communication"]
+    dropped: set[int] = set()
+    while params is not None:
+        scale, bias = params
+        round_cfg = {"round": round_id, "seed": cfg.seed, "calibrate": cfg.calibration, "scale": scale,
+                     "bias": None if bias is None else [float(v) for v in bias]}
+        results, cost = transport.train(ids, payload, round_cfg)
+        comm["downlink_bytes"] += cost["downlink_bytes"]
+        comm["uplink_bytes"] += cost["uplink_bytes"]
+        for key in ("wire_uplink_bytes", "wire_downlink_bytes"):
+            if key in cost:
+                comm[key] = comm.get(key, 0) + cost[key]
+        book["timing"]["client_s"] += cost["client_s"]
+        good = {}
+        for r in results:
+            why = calibration_problem(r, C, n_params)
+            if why is None:
+                good[r.client_id] = r
+            elif r.client_id not in dropped:
+                dropped.add(r.client_id)
+                log.warning("calibration: dropping client %s: %s", r.client_id, why)
+        if members is None:
+            members = {k for k, r in good.items() if float(r.extras["calib_n"][0]) > 0}
+            if not members:
+                log.warning("calibration: no client sent held-out statistics; the model stays uncalibrated")
+                return state
+        if not members <= set(good):
+            log.warning("calibration: client(s) %s did not answer round %d; keeping the best fit so far",
+                        sorted(members - set(good)), cal.iterations + 1)
+            break
+        totals = sum_stats([{k: good[c].extras[f"calib_{k}"].numpy() for k in CALIB_KEYS} for c in sorted(members)])
+        counts = totals["counts"]
+        params = cal.step(totals)
+    if cal.best is None or counts is None:
+        return state
+    calibration = cal.result(counts / counts.sum())
+    calibration.fit.update(clients=sorted(members or []), dropped=sorted(dropped),
+                           seconds=time.perf_counter() - t_start)
+    book["calibration"] = calibration.to_dict()
+    log.info("calibration (%s): T %.3f on %d held-out images of %d clients, NLL %.4f -> %.4f in %d rounds",
+             cfg.calibration, calibration.temperature, calibration.fit["images"], len(members or []),
+             calibration.fit["nll_before"], calibration.fit["nll_after"], calibration.fit["iterations"])
+    return GlobalState(state.weights, state.extras, dict(state.meta, calibration=calibration.to_dict()))
+
+
 def validate(method: Method, state: GlobalState, val: Split, batch_size: int) -> tuple[float, float]:
     module = method.inference_model(state).to(method.device)
     out = predict(module, val.images, method.normalize, batch_size, keys=("label",))
@@ -350,6 +440,81 @@ def _common_fields(cfg: RunConfig, prep: Prepared) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ evaluation of a checkpoint
+def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState, cfg: RunConfig,
+                      test_out: dict[str, np.ndarray], val_out: dict[str, np.ndarray], ds: Dataset,
+                      ranks: np.ndarray) -> None:
+    """Prior-aware inference in the report: per test distribution, the rule adapted to a prior estimated from
+    n unlabeled images drawn with that distribution's prior (`adaptive`, per n), to the true prior (`oracle`),
+    and the calibrated model's own decision (`calibrated`); the same means on the validation split."""
+    from tafl.prior import Calibration
+
+    C = len(ds.class_names)
+    calib = Calibration.from_dict(state.meta.get("calibration"), C)
+    source = calib.source_prior if calib.source_prior is not None else method.default_source_prior(state)
+    sizes = cfg.adapt_size_list()
+    sec = {"calibration": calib.to_dict(), "source_prior": [float(v) for v in source],
+           "calibrated": calib.kind != "none", "sizes": sizes, "draws": cfg.adapt_draws,
+           "posteriors": method.posterior_description()}
+    for split, out, labels, target in (("test", test_out, ds.test.labels, report),
+                                       ("validation", val_out, ds.val.labels, None)):
+        probs = calib.probs(method.posterior_logits(out))
+        res = adaptation_accuracies(probs, labels, ranks, source, sizes, cfg.adapt_draws, cfg.test_seed)
+        res["nll"] = float(-np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None)).mean())
+        if target is not None:
+            for name, d in res["distributions"].items():
+                target["test_distributions"][name].update(d)
+        sec[split] = {k: v for k, v in res.items() if k != "distributions"}
+        if split == "validation":
+            sec[split]["distributions"] = res["distributions"]
+    report["prior_adaptation"] = sec
+
+
+def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarray, source: np.ndarray,
+                          sizes: list[int], draws: int, seed: int) -> dict[str, Any]:
+    """Prior-weighted accuracies of the calibrated, adapted and oracle rules over the eleven distributions."""
+    from tafl.prior import adapt, em_prior, total_variation
+    from tafl.training.evaluate import per_class_accuracy
+    from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
+
+    C = probs.shape[1]
+    present = np.bincount(labels, minlength=C) > 0
+    rows = [np.flatnonzero(labels == c) for c in range(C)]
+
+    def weighted(preds: np.ndarray, prior: np.ndarray) -> float:
+        acc = per_class_accuracy(preds, labels, C)
+        p = np.where(present, prior, 0.0)
+        return float((p / p.sum() * np.nan_to_num(acc)).sum())
+
+    out: dict[str, Any] = {"distributions": {}}
+    avg: dict[str, list[float]] = {"calibrated": [], "oracle": [], **{f"adaptive_{n}": [] for n in sizes},
+                                   **{f"tv_{n}": [] for n in sizes}}
+    for i, (name, kind, imf) in enumerate(DISTRIBUTIONS):
+        prior = distribution_prior(ranks, kind, imf)
+        target = np.where(present, prior, 0.0)
+        target = target / target.sum()
+        d: dict[str, Any] = {"calibrated": weighted(probs.argmax(1), prior),
+                             "oracle": weighted(adapt(probs, source, target).argmax(1), prior), "adaptive": {}}
+        for n in sizes:
+            accs, tvs = [], []
+            for k in range(draws):
+                rng = np.random.default_rng([seed, 313, i, n, k])
+                per_class = rng.multinomial(n, target)
+                idx = np.concatenate([rng.choice(rows[c], m, replace=True) for c, m in enumerate(per_class) if m])
+                est = em_prior(probs[idx], source)
+                accs.append(weighted(adapt(probs, source, est.prior).argmax(1), prior))
+                tvs.append(total_variation(est.prior, target))
+            d["adaptive"][str(n)] = {"accuracy": float(np.mean(accs)), "accuracy_sd": float(np.std(accs)),
+                                     "tv": float(np.mean(tvs))}
+            avg[f"adaptive_{n}"].append(float(np.mean(accs)))
+            avg[f"tv_{n}"].append(float(np.mean(tvs)))
+        avg["calibrated"].append(d["calibrated"])
+        avg["oracle"].append(d["oracle"])
+        out["distributions"][name] = d
+    out["average"] = {k: float(np.mean(v)) for k, v in avg.items()}
+    return out
+
+
+
 def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
                         method: Method | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The report of a checkpoint on the dataset's test split (and its validation split), and the
@@ -394,6 +559,7 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
                                                      **{k: d["accuracy"] for k, d in ev["test_distributions"].items()}}
         report["validation"]["vote_rules"] = vote_rule_accuracies(val, names, state.meta, ds.val.labels, ranks,
                                                                   cfg.test_seed)
+    _prior_adaptation(report, method, state, cfg, out, val, ds, ranks)
     book = ck.get("book", {})
     report["timing"] = dict(book.get("timing", {}), test_eval_s=time.perf_counter() - t0)
     report["communication"] = dict(book.get("communication", {}))

@@ -44,6 +44,7 @@ class ClientData:
     labels: torch.Tensor  # int64 (N_all,)
     indices: torch.Tensor  # int64 (n,) this client's rows
     num_classes: int
+    holdout: torch.Tensor | None = None  # int64 rows held out of training for the calibration round
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -97,6 +98,7 @@ class Method:
         self.model: Classifier = build_model(model_cfg).to(self.device)  # the one working copy
         self.mean = torch.tensor(preprocess.mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.std = torch.tensor(preprocess.std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+        self._calib_cache: dict[tuple[int, int], np.ndarray] = {}  # (client, round) -> held-out logits
 
     # ---- state ----
     def init_state(self, train_counts: np.ndarray) -> GlobalState:
@@ -161,6 +163,53 @@ class Method:
     def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
         """Method-specific report sections (e.g. each expert's accuracies); none by default."""
         return {}
+
+    # ---- calibration and prior adaptation (tafl.prior) ----
+    def calibration_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+        """A calibration round on a client: the NLL statistics of its held-out rows at the round's (scale,
+        bias). Only sums leave the client (tafl.prior.nll_stats); its held-out posteriors are computed once per
+        calibration and kept for the following Newton rounds."""
+        from tafl import prior
+
+        rows = data.holdout if data.holdout is not None else torch.zeros(0, dtype=torch.int64)
+        key = (int(data.client_id), int(round_cfg["round"]))
+        z = self._calib_cache.get(key)
+        if z is None:
+            z = self.calibration_logits(payload, data.images[rows]) if len(rows) else \
+                np.zeros((0, self.model_cfg.num_classes))
+            self._calib_cache = {k: v for k, v in self._calib_cache.items() if k[1] == key[1]}
+            self._calib_cache[key] = z
+        bias = round_cfg.get("bias")
+        stats = prior.nll_stats(z, data.labels[rows].numpy(), float(round_cfg["scale"]),
+                                None if bias is None else np.asarray(bias, np.float64), round_cfg["calibrate"])
+        return ClientResult(data.client_id, len(rows), {}, {f"calib_{k}": torch.from_numpy(np.asarray(v, np.float64))
+                                                            for k, v in stats.items()}, {"calibration": 1.0})
+
+    def posterior_module(self, payload: Tensors) -> nn.Module:
+        """The module whose outputs `posterior_logits` turns into the logits calibration works on."""
+        keys = set(self.model.state_dict())
+        self.model.load_state_dict({k: v for k, v in payload.items() if k in keys})
+        return ProbsAndLabel(self.model).eval()
+
+    def calibration_logits(self, payload: Tensors, images_u8: torch.Tensor) -> np.ndarray:
+        from tafl.training.evaluate import predict
+
+        out = predict(self.posterior_module(payload), images_u8, self.normalize, self.cfg.eval_batch_size,
+                      keys=self.output_keys)
+        return self.posterior_logits(out)
+
+    def posterior_logits(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
+        """(N, C) logits of the posteriors that calibration and prior estimation use (log-probabilities:
+        softmax is unchanged by a per-row constant)."""
+        return np.log(np.clip(np.asarray(outputs["probs"], np.float64), 1e-12, None))
+
+    def posterior_description(self) -> str:
+        return "the model's softmax"
+
+    def default_source_prior(self, state: GlobalState) -> np.ndarray:
+        """The prior the uncalibrated posteriors describe: the training data's class mix."""
+        counts = state.extras["global_counts"].numpy().astype(np.float64)
+        return counts / counts.sum() if counts.sum() > 0 else np.full(len(counts), 1.0 / len(counts))
 
     # ---- helpers ----
     def normalize(self, batch_u8: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,8 @@ class DAFL(Method):
         return {**state.weights, "dafl.gamma": state.extras["dafl.gamma"]}
 
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+        if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
+            return self.calibration_update(payload, data, round_cfg)
         cfg = self.cfg
         self.model.load_state_dict({k: v for k, v in payload.items() if k != "dafl.gamma"})
         counts = data.class_counts()

@@ -21,6 +21,8 @@ class FedAvg(Method):
     prox_mu = 0.0
 
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+        if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
+            return self.calibration_update(payload, data, round_cfg)
         self.model.load_state_dict(payload)
         gen = self.generator(round_cfg["round"], data.client_id)
         cfg = self.cfg

@@ -116,6 +116,8 @@ class GTAFL(Method):
         return payload
 
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+        if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
+            return self.calibration_update(payload, data, round_cfg)
         self.model.load_state_dict({k: v for k, v in payload.items() if not k.startswith("expert.")})
         gen = self.generator(round_cfg["round"], data.client_id)
         images, labels = data.images[data.indices], data.local_labels
@@ -373,6 +375,38 @@ class GTAFL(Method):
                              gen=self.generator(round_, SERVER, 3))
         extras.update({f"proj.{k}": v.detach().cpu().clone() for k, v in proj.state_dict().items()})
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}, loss
+
+    # ------------------------------------------------------------ calibration
+    def posterior_module(self, payload: Tensors) -> nn.Module:
+        if not self.cr:
+            return super().posterior_module(payload)
+        self.model.load_state_dict({k: v for k, v in payload.items() if not k.startswith("expert.")})
+        return ExpertEnsemble(self.model.extractor, payload["expert.weight"], payload["expert.bias"], self.names).eval()
+
+    def posterior_logits(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
+        """`experts`: the mean of the experts' log-probabilities (their normalised geometric mean); `uniform`:
+        the uniform expert's. Without retrained experts, the FedAvg head's."""
+        if "expert_probs" not in outputs:
+            return super().posterior_logits(outputs)
+        lp = np.log(np.clip(np.asarray(outputs["expert_probs"], np.float64), 1e-12, None))  # (N, E, C)
+        if self.cfg.calib_source == "uniform" and "uniform" in self.names:
+            return lp[:, self.names.index("uniform")]
+        return lp.mean(1)
+
+    def posterior_description(self) -> str:
+        if not self.cr:
+            return "the FedAvg head's softmax"
+        if self.cfg.calib_source == "uniform" and "uniform" in self.names:
+            return "the uniform expert's softmax"
+        return "the normalised geometric mean of the experts' softmax"
+
+    def default_source_prior(self, state: GlobalState) -> np.ndarray:
+        """The experts' banks average to a class-balanced set (forward and backward mirror each other around the
+        uniform expert's), so their uncalibrated posteriors describe the uniform prior."""
+        if not self.cr:
+            return super().default_source_prior(state)
+        C = self.model_cfg.num_classes
+        return np.full(C, 1.0 / C)
 
     # ------------------------------------------------------------ inference and report
     def inference_model(self, state: GlobalState) -> nn.Module:

@@ -1,0 +1,106 @@
+"""The federated calibration round and the prior-adaptation section of the report (issue 13)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tafl.errors import ConfigError
+from tafl.prior import fit_calibration
+from tafl.training.checkpoint import load_checkpoint
+from tafl.training.config import load_config
+from tafl.training.longtail import DISTRIBUTION_NAMES, dirichlet_partition, holdout_split
+from tafl.training.methods import GlobalState
+from tafl.training.methods.base import ClientResult
+from tafl.training.simulator import calibration_problem, make_method, prepare, train
+from tests.conftest import CONFIGS, SMOKE_GTAFL
+
+
+def test_holdout_rows_are_disjoint_from_training_rows_and_zero_changes_nothing():
+    labels = np.random.default_rng(0).integers(0, 5, 400)
+    parts = dirichlet_partition(labels, 4, 0.5, 7, num_classes=5)
+    same, held = holdout_split(parts, 0.0, 7)
+    assert all(np.array_equal(a, b) for a, b in zip(same, parts)) and all(len(h) == 0 for h in held)
+    train_rows, held = holdout_split(parts, 0.2, 7)
+    for p, t, h in zip(parts, train_rows, held):
+        assert not set(t) & set(h) and sorted(set(t) | set(h)) == sorted(p)
+        assert len(h) == round(0.2 * len(p))
+    assert all(len(t) >= 1 for t in holdout_split([np.array([3])], 0.4, 7)[0])
+
+
+def test_calibration_needs_held_out_rows():
+    with pytest.raises(ConfigError, match="held-out"):
+        load_config(CONFIGS / "smoke.yaml", {"calibration": "bcts"})
+    with pytest.raises(ConfigError, match="calibration"):
+        load_config(CONFIGS / "smoke.yaml", {"calibration": "platt", "calib_holdout": 0.1})
+    with pytest.raises(ConfigError, match="adapt_sizes"):
+        load_config(CONFIGS / "smoke.yaml", {"adapt_sizes": "100,x"})
+
+
+def test_bad_calibration_statistics_are_refused():
+    C, P = 3, 4
+    ok = {"calib_nll": torch.ones(1), "calib_grad": torch.zeros(P), "calib_hess": torch.eye(P),
+          "calib_counts": torch.tensor([2.0, 1.0, 0.0]), "calib_n": torch.tensor([3.0])}
+    assert calibration_problem(ClientResult(0, 3, {}, ok), C, P) is None
+    nan = dict(ok, calib_grad=torch.tensor([0.0, float("nan"), 0.0, 0.0]))
+    assert "NaN" in calibration_problem(ClientResult(0, 3, {}, nan), C, P)
+    shape = dict(ok, calib_hess=torch.eye(P + 1))
+    assert "shape" in calibration_problem(ClientResult(0, 3, {}, shape), C, P)
+    neg = dict(ok, calib_counts=torch.tensor([4.0, -1.0, 0.0]))
+    assert "negative" in calibration_problem(ClientResult(0, 3, {}, neg), C, P)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fedavg", "gtafl"])
+def test_the_federated_fit_equals_the_pooled_fit_on_the_clients_held_out_rows(tmp_path, method):
+    over = {"calibration": "bcts", "calib_holdout": 0.2, "adapt_draws": 2, "adapt_sizes": "50,200"}
+    if method == "gtafl":
+        over.update(SMOKE_GTAFL, cl=False)
+    cfg = load_config(CONFIGS / "smoke.yaml", over)
+    report = train(cfg, tmp_path / "run", progress=False)
+    fed = report["prior_adaptation"]["calibration"]
+    assert fed["kind"] == "bcts" and fed["fit"]["nll_after"] <= fed["fit"]["nll_before"]
+    # the same fit on the pooled held-out rows, which no client ever sent
+    prep = prepare(cfg)
+    rows = np.concatenate(prep.holdouts)
+    assert not set(rows) & set(np.concatenate(prep.parts))
+    assert prep.client_counts.sum() == len(prep.train) - len(rows)  # the census counts training rows only
+    ck = load_checkpoint(tmp_path / "run" / "final.pt")
+    m = make_method(cfg, prep.model_cfg, prep.dataset.preprocess)
+    state = GlobalState.from_dict(ck["state"])
+    z = m.calibration_logits(m.broadcast(state), torch.from_numpy(prep.train.images[rows]))
+    pooled = fit_calibration(z, prep.train.labels[rows], "bcts", cfg.calib_rounds)
+    assert fed["temperature"] == pytest.approx(pooled.temperature, rel=1e-6)
+    assert np.allclose(fed["bias"], pooled.bias, atol=1e-6)
+    assert np.allclose(fed["source_prior"], np.bincount(prep.train.labels[rows], minlength=10) / len(rows))
+    assert report["communication"]["uplink_bytes"] > 0
+    # every distribution reports the adapted, the oracle and the calibrated rule, with the estimate's error
+    for name in DISTRIBUTION_NAMES:
+        d = report["test_distributions"][name]
+        assert 0 <= d["oracle"] <= 1 and 0 <= d["calibrated"] <= 1
+        assert set(d["adaptive"]) == {"50", "200"}
+        assert 0 <= d["adaptive"]["200"]["tv"] <= 1
+    avg = report["prior_adaptation"]["validation"]["average"]
+    assert {"calibrated", "oracle", "adaptive_50", "adaptive_200"} <= set(avg)
+
+
+@pytest.mark.slow
+def test_a_client_with_nan_calibration_statistics_is_dropped(tmp_path, monkeypatch):
+    from tafl.training.methods.fedavg import FedAvg
+
+    real = FedAvg.calibration_update
+
+    def poisoned(self, payload, data, round_cfg):
+        res = real(self, payload, data, round_cfg)
+        if data.client_id == 1:
+            res.extras["calib_grad"] = torch.full_like(res.extras["calib_grad"], float("nan"))
+        return res
+
+    monkeypatch.setattr(FedAvg, "calibration_update", poisoned)
+    cfg = load_config(CONFIGS / "smoke.yaml", {"calibration": "temperature", "calib_holdout": 0.2,
+                                               "adapt_draws": 1, "adapt_sizes": "50"})
+    report = train(cfg, tmp_path / "run", progress=False)
+    fit = report["prior_adaptation"]["calibration"]["fit"]
+    assert fit["dropped"] == [1] and 1 not in fit["clients"] and fit["clients"]
+    assert np.isfinite(report["prior_adaptation"]["calibration"]["temperature"])
