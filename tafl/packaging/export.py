@@ -71,40 +71,98 @@ class _Features(nn.Module):
         return _to_image(cam, size)
 
 
-class EnsembleGraph(nn.Module):
-    outputs = ("label", "probs", "expert_labels", "expert_probs", "votes", "heatmap")
+class _PriorAdaptation(nn.Module):
+    """The prior-aware outputs (tafl.prior): calibrated posteriors softmax(a·z + b + r) for the graph's optional
+    input r = `log_prior_ratio` (log q − log π per class; (1, C) for the whole batch or (N, C) per image;
+    default zeros). Where a row of r is 0 the outputs are the model's plain ones; where it is not, `label` and
+    `probs` are the Bayes rule for that row's prior q, so the vote and the probabilities a caller reads follow the prior it gave."""
 
-    def __init__(self, model: Classifier, ensemble: ExpertEnsemble, is_vit: bool, size: int):
+    def __init__(self, calibration: dict[str, Any] | None, num_classes: int):
+        super().__init__()
+        calibration = calibration or {"scale": 1.0, "bias": [0.0] * num_classes}
+        self.register_buffer("scale", torch.tensor(float(calibration["scale"]), dtype=torch.float32))
+        self.register_buffer("bias", torch.tensor(calibration["bias"], dtype=torch.float32))
+
+    def forward(self, z: torch.Tensor, r: torch.Tensor | None, label: torch.Tensor, probs: torch.Tensor):
+        if r is None:
+            r = torch.zeros_like(self.bias)[None]
+        adapted = torch.softmax(z * self.scale + self.bias + r, dim=-1)
+        shifted = r.abs().sum(dim=-1) > 0  # per row of r: one row for the batch, or one per image
+        return (torch.where(shifted, adapted.argmax(dim=-1), label), torch.where(shifted[:, None], adapted, probs),
+                adapted)
+
+
+class EnsembleGraph(nn.Module):
+    outputs = ("label", "probs", "expert_labels", "expert_probs", "votes", "heatmap", "calibrated_probs")
+
+    def __init__(self, model: Classifier, ensemble: ExpertEnsemble, is_vit: bool, size: int,
+                 calibration: dict[str, Any] | None = None, source: int | None = None):
         super().__init__()
         self.feats = _Features(model, is_vit, size)
         self.ensemble = ensemble
+        self.prior = _PriorAdaptation(calibration, ensemble.W.shape[1])
+        self.source = source  # the expert whose posteriors are calibrated, or None: the experts' mean log-prob
 
-    def forward(self, image: torch.Tensor):
+    def forward(self, image: torch.Tensor, log_prior_ratio: torch.Tensor | None = None):
         feats, aux = self.feats(image)
-        out = self.ensemble.vote_on(feats)
-        w = self.ensemble.W.mean(dim=0)[out["label"]]  # (B, D): the experts' mean row of the voted class
+        logits = self.ensemble.expert_logits(feats)
+        out = self.ensemble.vote_from(torch.softmax(logits, dim=-1))
+        lp = torch.log_softmax(logits, dim=-1)
+        z = lp.mean(dim=1) if self.source is None else lp[:, self.source]
+        label, probs, calibrated = self.prior(z, log_prior_ratio, out["label"], out["probs"])
+        w = self.ensemble.W.mean(dim=0)[label]  # (B, D): the experts' mean row of the decided class
         heat = self.feats.heatmap(image, aux, w)
-        return out["label"], out["probs"], out["expert_labels"], out["expert_probs"], out["votes"], heat
+        return label, probs, out["expert_labels"], out["expert_probs"], out["votes"], heat, calibrated
 
 
 class SingleHeadGraph(nn.Module):
-    outputs = ("label", "probs", "logits", "heatmap")
+    outputs = ("label", "probs", "logits", "heatmap", "calibrated_probs")
 
-    def __init__(self, model: Classifier, is_vit: bool, size: int):
+    def __init__(self, model: Classifier, is_vit: bool, size: int, calibration: dict[str, Any] | None = None):
         super().__init__()
         self.feats = _Features(model, is_vit, size)
         self.head = model.head
+        self.prior = _PriorAdaptation(calibration, model.head.out_features)
 
-    def forward(self, image: torch.Tensor):
+    def forward(self, image: torch.Tensor, log_prior_ratio: torch.Tensor | None = None):
         feats, aux = self.feats(image)
         logits = self.head(feats)
-        label = logits.argmax(dim=1)
+        label, probs, calibrated = self.prior(logits, log_prior_ratio, logits.argmax(dim=1),
+                                              torch.softmax(logits, dim=1))
         heat = self.feats.heatmap(image, aux, self.head.weight[label])
-        return label, torch.softmax(logits, dim=1), logits, heat
+        return label, probs, logits, heat, calibrated
+
+
+def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's calibration (tafl.prior) with its source prior and the posteriors it applies to; a model
+    fitted without one gets the identity and the prior its plain posteriors describe (docs/design.md §2)."""
+    from tafl.prior import Calibration
+
+    meta, extras = ck["state"].get("meta", {}), ck["state"].get("extras", {})
+    C = len(ck["class_names"])
+    cal = Calibration.from_dict(meta.get("calibration"), C)
+    ensemble = "expert.weight" in extras
+    names = tuple(meta.get("experts") or ("uniform",)) if ensemble else ()
+    use = ck["run_config"].get("calib_source", "experts")
+    source_expert = names.index("uniform") if ensemble and (use == "uniform" or len(names) == 1) and \
+        "uniform" in names else None
+    if cal.source_prior is None:
+        if ensemble:
+            cal.source_prior = np.full(C, 1.0 / C)
+        else:
+            counts = np.asarray(ck["train_class_counts"], np.float64)
+            cal.source_prior = counts / counts.sum()
+    d = cal.to_dict()
+    d["bias"] = d["bias"] or [0.0] * C
+    d["posteriors"] = ("the uniform expert's log-probabilities" if source_expert is not None else
+                       "the mean of the experts' log-probabilities") if ensemble else "the head's logits"
+    d["source_expert"] = source_expert
+    return d
 
 
 def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any] | None]:
     """The export module for a checkpoint, its experts and its vote rule."""
+    calibration = calibration_of(ck)
     mcfg = ModelConfig.from_dict(ck["model_config"])
     model = build_model(mcfg).eval()
     state = ck["state"]
@@ -119,8 +177,13 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]], di
         vote = {"rule": ens.vote, "weights": [e["weight"] for e in experts],
                 "tie_break": "argmax of the weighted mean probability" if soft else
                 f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of {ens.tie_bonus:g} on its vote)"}
-        return EnsembleGraph(model, ens, mcfg.is_vit, mcfg.img_size).eval(), experts, vote
-    return SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size).eval(), [], None
+        graph: nn.Module = EnsembleGraph(model, ens, mcfg.is_vit, mcfg.img_size, calibration,
+                                         calibration["source_expert"])
+        graph.prior_spec = calibration
+        return graph.eval(), experts, vote
+    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration)
+    graph.prior_spec = calibration
+    return graph.eval(), [], None
 
 
 def _sample_images(ck: dict[str, Any], images_dir: str | None, data_root: str | None, n: int = 16) -> np.ndarray:
@@ -153,8 +216,11 @@ def _sample_images(ck: dict[str, Any], images_dir: str | None, data_root: str | 
     return np.concatenate([ds.val.images, ds.test.images])[:n] if len(ds.val) < n else ds.val.images[:n]
 
 
-def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, ...]) -> dict[str, Any]:
-    """ORT (CPU) vs PyTorch eager at batch sizes 1 and 16; raises PackageError on any mismatch."""
+def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, ...],
+           prior_ratio: np.ndarray | None = None) -> dict[str, Any]:
+    """ORT (CPU) vs PyTorch eager at batch sizes 1 and 16, without the optional `log_prior_ratio` input (its
+    default, zeros) and with `prior_ratio` fed (one row for the batch, and one row per image); raises
+    PackageError on any mismatch."""
     import onnx
     import onnxruntime as ort
 
@@ -163,29 +229,53 @@ def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, .
     except onnx.checker.ValidationError as exc:
         raise PackageError(f"the exported graph fails onnx.checker: {exc}") from exc
     sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    C = len(prior_ratio) if prior_ratio is not None else None
     worst = {"probs": 0.0, "heatmap": 0.0}
-    for bs in (1, 16):
+    cases: list[tuple[int, np.ndarray | None]] = [(1, None), (16, None)]
+    if prior_ratio is not None:
+        r = np.asarray(prior_ratio, np.float32).reshape(1, C)
+        cases += [(1, r), (16, r), (16, np.tile(r, (16, 1)) * np.linspace(0, 1, 16, dtype=np.float32)[:, None])]
+    for bs, r in cases:
         batch = x[:bs]
+        fed = {"image": batch} if r is None else {"image": batch, "log_prior_ratio": r}
+        r_ref = None if r is None else torch.from_numpy(r)
         with torch.no_grad():
-            ref = dict(zip(names, (t.numpy() for t in graph(torch.from_numpy(batch)))))
-        got = dict(zip(names, sess.run(list(names), {"image": batch})))
+            ref = dict(zip(names, (t.numpy() for t in graph(torch.from_numpy(batch), r_ref))))
+        got = dict(zip(names, sess.run(list(names), fed)))
+        what = f"batch {bs}" + ("" if r is None else f", log_prior_ratio of {len(r)} row(s)")
         for key in names:
             if got[key].shape != ref[key].shape:
                 raise PackageError(f"export check failed: '{key}' has shape {got[key].shape} in ONNX Runtime, "
-                                   f"{ref[key].shape} in PyTorch (batch {bs})")
+                                   f"{ref[key].shape} in PyTorch ({what})")
         for key in ("label", "expert_labels"):
             if key in names and not np.array_equal(got[key], ref[key]):
-                raise PackageError(f"export check failed: '{key}' differs between ONNX Runtime and PyTorch (batch {bs})")
-        for key, tol in (("probs", PROB_TOL), ("expert_probs", PROB_TOL), ("heatmap", HEAT_TOL)):
+                raise PackageError(f"export check failed: '{key}' differs between ONNX Runtime and PyTorch ({what})")
+        for key, tol in (("probs", PROB_TOL), ("expert_probs", PROB_TOL), ("calibrated_probs", PROB_TOL),
+                         ("heatmap", HEAT_TOL)):
             if key in names:
                 diff = float(np.abs(got[key] - ref[key]).max())
-                worst["heatmap" if key == "heatmap" else "probs"] = max(worst["heatmap" if key == "heatmap" else "probs"],
-                                                                        diff)
+                kind = "heatmap" if key == "heatmap" else "probs"
+                worst[kind] = max(worst[kind], diff)
                 if not diff <= tol:
-                    raise PackageError(f"export check failed: '{key}' differs by {diff:.2e} > {tol:g} (batch {bs})")
-    return {"batch_sizes": [1, 16], "max_abs_prob_diff": worst["probs"], "max_abs_heatmap_diff": worst["heatmap"],
+                    raise PackageError(f"export check failed: '{key}' differs by {diff:.2e} > {tol:g} ({what})")
+    return {"batch_sizes": [1, 16], "log_prior_ratio_cases": ["default (zeros)"] +
+            (["one row for the batch", "one row per image"] if prior_ratio is not None else []),
+            "max_abs_prob_diff": worst["probs"], "max_abs_heatmap_diff": worst["heatmap"],
             "prob_tolerance": PROB_TOL, "heatmap_tolerance": HEAT_TOL, "onnx": onnx.__version__,
             "onnxruntime": ort.__version__, "opset": OPSET, "checker": "onnx.checker.check_model(full_check=True)"}
+
+
+def _default_prior_input(onnx_path: Path, num_classes: int) -> None:
+    """Give the graph input `log_prior_ratio` a default (an initializer of the same name, zeros (1, C)), so a
+    caller that feeds only `image` sees the model's plain outputs."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(onnx_path))
+    if not any(i.name == "log_prior_ratio" for i in m.graph.input):
+        raise PackageError("the exported graph lost its 'log_prior_ratio' input")
+    m.graph.initializer.append(numpy_helper.from_array(np.zeros((1, num_classes), np.float32), "log_prior_ratio"))
+    onnx.save(m, str(onnx_path))
 
 
 def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size: int) -> list[dict[str, Any]]:
@@ -197,6 +287,9 @@ def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size:
         "expert_probs": (["batch", n_experts, num_classes], "float32", "each expert's softmax"),
         "votes": (["batch", num_classes], "float32", "weighted vote totals per class (before the tie bonus)"),
         "heatmap": (["batch", size, size], "float32", "where the model looked, in [0, 1], at the input's resolution"),
+        "calibrated_probs": (["batch", num_classes], "float32",
+                             "calibrated posteriors under the prior of the optional input log_prior_ratio (zeros: "
+                             "the source prior, metadata 'prior')"),
     }
     return [{"name": n, "shape": desc[n][0], "dtype": desc[n][1], "description": desc[n][2]} for n in names]
 
@@ -277,11 +370,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
     with tempfile.TemporaryDirectory(prefix=".tafl-export-", dir=out.parent if out.parent.exists() else None) as tmp:
         tmpd = Path(tmp)
         onnx_path = tmpd / "model.onnx"
-        dyn = {"image": {0: "batch"}, **{n: {0: "batch"} for n in names}}
+        C = mcfg.num_classes
+        dyn = {"image": {0: "batch"}, "log_prior_ratio": {0: "prior_rows"}, **{n: {0: "batch"} for n in names}}
         with torch.no_grad():
-            torch.onnx.export(graph, (torch.from_numpy(x[:2]),), str(onnx_path), input_names=["image"],
-                              output_names=list(names), dynamic_axes=dyn, opset_version=OPSET, dynamo=False)
-        check = verify(graph, onnx_path, x, names)
+            torch.onnx.export(graph, (torch.from_numpy(x[:2]), torch.zeros(1, C)), str(onnx_path),
+                              input_names=["image", "log_prior_ratio"], output_names=list(names), dynamic_axes=dyn,
+                              opset_version=OPSET, dynamo=False)
+        _default_prior_input(onnx_path, C)
+        from tafl.prior import log_prior_ratio
+
+        calibration = graph.prior_spec
+        # the check's prior: the source prior's reverse, a shift as large as a deployment meets
+        check = verify(graph, onnx_path, x, names,
+                       log_prior_ratio(np.asarray(calibration["source_prior"])[::-1], calibration["source_prior"]))
         metrics = _metrics_from(ck_path)
         meta = {
             "schema": SCHEMA, "name": pkg_name, "version": version, "parent_version": parent_version,
@@ -297,6 +398,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
                       "preprocess": pre.to_dict()},
             "outputs": _output_spec(names, len(experts), mcfg.num_classes, pre.size),
             "experts": experts, "vote": vote,
+            "prior": {"input": "log_prior_ratio", "shape": ["1 or batch", C], "dtype": "float32", "default": "zeros",
+                      "rule": "label = argmax softmax(scale·z + bias + log q − log source_prior) when the input is "
+                              "non-zero, else the model's own rule",
+                      "posteriors": calibration["posteriors"], "calibration": calibration["kind"],
+                      "temperature": calibration["temperature"], "scale": calibration["scale"],
+                      "bias": calibration["bias"], "source_prior": calibration["source_prior"],
+                      "fit": calibration.get("fit", {})},
             "heatmap": "attention rollout of the shared extractor" if mcfg.is_vit else
                        "class activation map of the predicted class",
             "training": {"run_config": ck["run_config"], "round": ck["round"],

@@ -125,12 +125,20 @@ class ModelPackage:
         except Exception as exc:  # noqa: BLE001 - ORT raises its own types
             raise PackageError(f"{self.model_path}: ONNX Runtime cannot load the graph ({exc})") from exc
 
-    def run(self, session, images: np.ndarray | list) -> dict[str, np.ndarray]:
-        """Run the graph on a normalised float batch (N, C, H, W) or a list of images/arrays."""
+    def run(self, session, images: np.ndarray | list, log_prior_ratio: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Run the graph on a normalised float batch (N, C, H, W) or a list of images/arrays; `log_prior_ratio`
+        ((C,), (1, C) or (N, C): log q − log source prior) decides for a prior q where the graph takes one."""
         x = images if isinstance(images, np.ndarray) and images.dtype == np.float32 and images.ndim == 4 \
             else self.preprocess(list(images) if not isinstance(images, list) else images)
         names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(names, {self.metadata["input"]["name"]: x})))
+        feed = {self.metadata["input"]["name"]: x}
+        if log_prior_ratio is not None:
+            if "prior" not in self.metadata:
+                raise PackageError(f"{self.name} {self.version} predates prior-aware inference: its graph takes no "
+                                   "prior; re-export it with this tafl")
+            r = np.asarray(log_prior_ratio, np.float32)
+            feed["log_prior_ratio"] = r.reshape(1, -1) if r.ndim == 1 else r
+        return dict(zip(names, session.run(names, feed)))
 
 
 def cuda_driver_present() -> bool:

@@ -57,6 +57,42 @@ def test_package_matches_pytorch_on_real_images(which, request):
     assert pkg.metadata["data_provenance"]["training_index_sha256"]
 
 
+@pytest.mark.parametrize("which", ["gtafl", "dafl"])
+def test_the_graph_decides_for_a_prior_given_as_its_optional_input(which, request):
+    """log_prior_ratio absent = zeros = the plain rule; a reversed prior gives the Bayes rule of the calibrated
+    posteriors, computed here from the graph's own calibrated_probs and the metadata's source prior."""
+    from tafl.prior import adapt, log_prior_ratio
+
+    run, pkg_dir = request.getfixturevalue(f"{which}_run"), request.getfixturevalue(f"{which}_pkg")
+    pkg = load_package(pkg_dir)
+    ck = load_checkpoint(run / "final.pt")
+    prior = pkg.metadata["prior"]
+    src = np.asarray(prior["source_prior"])
+    assert prior["input"] == "log_prior_ratio" and abs(src.sum() - 1) < 1e-9
+    assert len(pkg.metadata["verification"]["log_prior_ratio_cases"]) == 3
+    sess = pkg.session(providers=["CPUExecutionProvider"])
+    x = pkg.preprocess.normalize(_real_images(ck, 16))
+    plain = pkg.run(sess, x)
+    zeros = pkg.run(sess, x, np.zeros(len(src)))
+    for k in ("label", "probs", "calibrated_probs"):
+        assert np.array_equal(plain[k], zeros[k]), k
+    assert np.allclose(plain["calibrated_probs"].sum(1), 1, atol=1e-5)
+    q = np.arange(1.0, len(src) + 1) ** 2
+    q = q / q.sum()  # far from either source prior (the training mix, or uniform for the experts)
+    r = log_prior_ratio(q, src)
+    shifted = pkg.run(sess, x, r)
+    want = adapt(plain["calibrated_probs"], src, q)
+    assert np.abs(shifted["calibrated_probs"] - want).max() < 1e-4
+    assert np.array_equal(shifted["label"], want.argmax(1))
+    assert np.allclose(shifted["probs"], shifted["calibrated_probs"])
+    # one row per image: each image decided under its own prior
+    rows = np.stack([np.zeros(len(src)) if i % 2 else r for i in range(16)]).astype(np.float32)
+    mixed = pkg.run(sess, x, rows)
+    assert np.array_equal(mixed["label"][::2], shifted["label"][::2])
+    assert np.abs(mixed["calibrated_probs"][1::2] - plain["calibrated_probs"][1::2]).max() < 1e-5
+    assert np.array_equal(mixed["label"][1::2], plain["label"][1::2])  # a zero row keeps the plain rule
+
+
 def test_vote_tie_rule_is_inside_the_graph(tmp_path, gtafl_run):
     """Experts with crafted constant outputs: majority wins; when all disagree the uniform expert wins."""
     ck = load_checkpoint(gtafl_run / "final.pt")
