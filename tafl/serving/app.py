@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tafl.errors import (BadRequest, PackageError, PayloadTooLarge, ServiceError, ServiceUnavailable, TaflError,
-                         Unauthorized, UnsupportedMedia)
+from tafl.errors import (BadRequest, ConfigError, PackageError, PayloadTooLarge, ServiceError, ServiceUnavailable,
+                         TaflError, Unauthorized, UnsupportedMedia)
 from tafl.packaging.heatmap import overlay, png_bytes
 from tafl.serving.decode import decode_image
 from tafl.serving.multipart import parse_simple
@@ -59,6 +59,9 @@ class Settings:
     batch_wait_ms: float = 2.0
     ort_threads: int | None = None
     audit_path: str | None = None
+    prior_window: int = 500  # calibrated probability vectors kept per model for the case-mix estimate
+    prior_refresh: int = 50  # served images between two estimates
+    prior_min_images: int = 100  # fewer images behind the estimate: prior=adaptive falls back to the source prior
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -77,7 +80,10 @@ class Settings:
                    max_batch=int(env.get("TAFL_MAX_BATCH", "64")),
                    batch_wait_ms=float(env.get("TAFL_BATCH_WAIT_MS", "2")),
                    ort_threads=int(env["TAFL_ORT_THREADS"]) if env.get("TAFL_ORT_THREADS") else None,
-                   audit_path=env.get("TAFL_AUDIT_LOG") or None)
+                   audit_path=env.get("TAFL_AUDIT_LOG") or None,
+                   prior_window=int(env.get("TAFL_PRIOR_WINDOW", "500")),
+                   prior_refresh=int(env.get("TAFL_PRIOR_REFRESH", "50")),
+                   prior_min_images=int(env.get("TAFL_PRIOR_MIN_IMAGES", "100")))
 
 
 class State:
@@ -86,6 +92,8 @@ class State:
     settings: Settings
     registry: ModelRegistry
     counter: Any = None  # prometheus counter of predicted classes
+    case_mix: Any = None  # prometheus gauge: the estimated prior per model and class
+    case_mix_shift: Any = None  # prometheus gauge: its total-variation distance from the source prior
 
 
 state = State()
@@ -103,9 +111,12 @@ def _count(model: LoadedModel, class_name: str) -> None:
     child.inc()
 
 
-def configure(settings: Settings, registry: ModelRegistry, counter: Any = None) -> None:
+def configure(settings: Settings, registry: ModelRegistry, counter: Any = None, case_mix: Any = None,
+              case_mix_shift: Any = None) -> None:
     state.settings, state.registry, state.counter = settings, registry, counter
+    state.case_mix, state.case_mix_shift = case_mix, case_mix_shift
     _counters.clear()
+    _published.clear()
     logging.getLogger("pydicom").setLevel(logging.ERROR)  # its warnings can quote tag values (patient data)
     if not audit_log.handlers:
         handler: logging.Handler = (logging.FileHandler(settings.audit_path) if settings.audit_path
@@ -217,6 +228,62 @@ def _audit(**fields: Any) -> None:
     audit_log.info(json.dumps({"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}))
 
 
+# ------------------------------------------------------------------ priors
+_published: dict[tuple[str, str], float] = {}
+
+
+def _prior_choice(model: LoadedModel, options: dict[str, str]) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """The request's `prior`: train (default, stateless), adaptive (the model's current case-mix estimate) or an
+    explicit prior (comma-separated or a JSON list, one value per class). Returns the graph's log prior ratio
+    (None: the plain rule) and the response's `prior` section."""
+    from tafl.prior import check_prior, log_prior_ratio, total_variation
+
+    raw = str(options.get("prior", "train")).strip()
+    names = model.package.class_names
+    if raw.lower() in ("", "train"):
+        return None, {"used": "train"}
+    if model.monitor is None:
+        raise BadRequest(f"model '{model.name}' {model.package.version} was exported before prior-aware inference; "
+                         "re-export it with this tafl to use prior=adaptive or an explicit prior")
+    src = model.monitor.source
+    if raw.lower() == "adaptive":
+        q, n, why = model.monitor.current()
+        if q is None:
+            return None, {"used": "train", "requested": "adaptive", "fallback": why, "images": n}
+        return log_prior_ratio(q, src), {"used": "adaptive", "images": n, "prior": dict(zip(names, map(float, q))),
+                                         "shift_from_source": total_variation(q, src)}
+    try:
+        values = json.loads(raw) if raw.startswith("[") else [float(v) for v in raw.split(",")]
+    except ValueError:
+        raise BadRequest(f"option 'prior' must be train, adaptive, or {len(names)} probabilities (one per class: "
+                         f"{', '.join(names)}), comma-separated; got {raw[:40]!r}") from None
+    try:
+        q = check_prior(values, len(names), "option 'prior'")
+    except ConfigError as exc:
+        raise BadRequest(f"{exc.message} (classes: {', '.join(names)})") from None
+    return log_prior_ratio(q, src), {"used": "explicit", "prior": dict(zip(names, map(float, q)))}
+
+
+def _observe(model: LoadedModel, out: dict[str, np.ndarray], ratio: np.ndarray | None) -> None:
+    """Feed the served images' calibrated posteriors, under the source prior, to the model's case-mix window,
+    and publish a new estimate to /metrics."""
+    mon = model.monitor
+    if mon is None or "calibrated_probs" not in out or not len(out["calibrated_probs"]):
+        return
+    p = np.asarray(out["calibrated_probs"], np.float64)
+    if ratio is not None:  # these rows were decided under another prior: back to the source prior's posteriors
+        p = p * np.exp(-np.asarray(ratio, np.float64))
+        p /= p.sum(1, keepdims=True)
+    mon.add(p)
+    key = (model.name, model.package.version)
+    if mon.updated_at and _published.get(key) != mon.updated_at and state.case_mix is not None:
+        _published[key] = mon.updated_at
+        est = mon.estimate
+        for name, v in zip(model.package.class_names, est.prior):
+            state.case_mix.labels(model=key[0], version=key[1], class_name=name).set(float(v))
+        state.case_mix_shift.labels(model=key[0], version=key[1]).set(float(est.shift))
+
+
 # ------------------------------------------------------------------ inference
 INLINE_BYTES = 256 * 1024  # smaller work runs on the event loop: a thread hop costs more than the work
 
@@ -228,14 +295,20 @@ async def _off_loop(size: int, fn, *args, **kw):
     return await asyncio.to_thread(fn, *args, **kw)
 
 
-async def _infer(model: LoadedModel, frames: list[np.ndarray]) -> dict[str, np.ndarray]:
+async def _infer(model: LoadedModel, frames: list[np.ndarray],
+                 ratio: np.ndarray | None = None) -> dict[str, np.ndarray]:
     pre = model.package.preprocess
     x = await _off_loop(sum(f.size for f in frames), pre, frames)
     model.in_flight += 1
     try:
-        return await model.batcher.submit(x)
+        out = await model.batcher.submit(x, ratio)
     finally:
         model.in_flight -= 1
+    try:
+        _observe(model, out, ratio)
+    except Exception:  # noqa: BLE001 - the case-mix window is advice; it never fails a prediction
+        log.warning("case-mix window update failed", exc_info=True)
+    return out
 
 
 def _frame_result(model: LoadedModel, out: dict[str, np.ndarray], i: int) -> dict[str, Any]:
@@ -273,14 +346,16 @@ async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     model = state.registry.get(options.get("model"))
     audit.update(model=model.name, version=model.package.version)
     want_heat = _flag(options.get("heatmap", "false"), "heatmap")
+    ratio, prior = _prior_choice(model, options)
     s = state.settings
     t0 = time.perf_counter()
     decoded = await _off_loop(len(data), decode_image, data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels,
                                       max_frames=s.max_frames)
     t1 = time.perf_counter()
-    out = await _infer(model, decoded.frames)
+    out = await _infer(model, decoded.frames, ratio)
     t2 = time.perf_counter()
-    audit.update(kind=decoded.kind, frames=len(decoded.frames))
+    audit.update(kind=decoded.kind, frames=len(decoded.frames), prior=prior["used"])
+    out["_prior"] = prior  # type: ignore[assignment]
     return model, decoded, out, want_heat, (t0, t1, t2)
 
 
@@ -296,7 +371,8 @@ async def predict(request: Request) -> Response:
                                 "model": {"name": model.name, "version": model.package.version,
                                           "method": model.package.metadata["method"]},
                                 "input": {"kind": decoded.kind, "frames": len(decoded.frames),
-                                          "size": list(decoded.frames[0].shape[:2]), **decoded.info}}
+                                          "size": list(decoded.frames[0].shape[:2]), **decoded.info},
+                                "prior": out["_prior"]}
         if len(results) > 1:
             body["frames"] = [{"frame": i, **r} for i, r in enumerate(results)]
         if want_heat:
@@ -344,6 +420,7 @@ async def heatmap(request: Request) -> Response:
         safe = name.encode("ascii", "replace").decode()
         return Response(png, media_type="image/png", headers={"X-Request-ID": rid, "X-Tafl-Label": str(label),
                                                                "X-Tafl-Class": safe,
+                                                               "X-Tafl-Prior": out["_prior"]["used"],
                                                                "X-Tafl-Model": f"{model.name}:{model.package.version}"})
     except asyncio.TimeoutError:
         exc: Exception = ServiceUnavailable(f"the request took longer than {state.settings.timeout_s:g} s; try again")
@@ -375,14 +452,16 @@ async def predict_batch(request: Request) -> Response:
                      bytes=sum(len(f) for f in files))
         if _flag(options.get("heatmap", "false"), "heatmap"):
             raise BadRequest("heatmaps are not returned in batches; call /predict or /heatmap per image")
+        ratio, prior = _prior_choice(model, options)
+        audit["prior"] = prior["used"]
         decoded = await asyncio.to_thread(lambda: [_decode_or_error(f, s) for f in files])
         frames = [d.frames for d in decoded if not isinstance(d, Exception)]
-        out = await _infer(model, [f for fs in frames for f in fs]) if frames else {}
-        return model, decoded, out
+        out = await _infer(model, [f for fs in frames for f in fs], ratio) if frames else {}
+        return model, decoded, out, prior
 
     try:
         async with asyncio.timeout(s.timeout_s):
-            model, decoded, out = await core()
+            model, decoded, out, prior = await core()
         results, row = [], 0
         for i, d in enumerate(decoded):
             if isinstance(d, Exception):
@@ -401,7 +480,8 @@ async def predict_batch(request: Request) -> Response:
         _audit(**audit, status=200, errors=sum("error" in r for r in results), timing_ms=round(timing, 2))
         return JSONResponse({"request_id": rid, "model": {"name": model.name, "version": model.package.version,
                                                          "method": model.package.metadata["method"]},
-                             "results": results, "timing_ms": {"total": timing}}, headers={"X-Request-ID": rid})
+                             "prior": prior, "results": results, "timing_ms": {"total": timing}},
+                            headers={"X-Request-ID": rid})
     except asyncio.TimeoutError:
         exc: Exception = ServiceUnavailable(f"the request took longer than {s.timeout_s:g} s; send fewer images")
     except Exception as e:  # noqa: BLE001

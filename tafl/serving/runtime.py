@@ -53,12 +53,14 @@ class Batcher:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tafl-infer")
         self.batch_sizes: list[int] = []  # the last few, for /models
 
-    async def submit(self, x: np.ndarray) -> dict[str, np.ndarray]:
+    async def submit(self, x: np.ndarray, prior_ratio: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The model's outputs for x; `prior_ratio` (C,) decides these images for another prior (the graph's
+        log_prior_ratio input), while the rest of their batch keeps its own."""
         if self.task is None or self.task.done():
             self.queue = asyncio.Queue()
             self.task = asyncio.get_running_loop().create_task(self._loop())
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        await self.queue.put((x, fut))
+        await self.queue.put((x, prior_ratio, fut))
         return await fut
 
     async def _loop(self) -> None:
@@ -81,24 +83,93 @@ class Batcher:
                         break
                 items.append(nxt)
                 rows += len(nxt[0])
-            live = [(x, f) for x, f in items if not f.done()]  # a timed-out request no longer waits
+            live = [(x, r, f) for x, r, f in items if not f.done()]  # a timed-out request no longer waits
             if not live:
                 continue
-            batch = np.concatenate([x for x, _ in live])
+            batch = np.concatenate([x for x, _, _ in live])
+            ratios = None
+            if any(r is not None for _, r, _ in live):  # one prior row per image; zeros keep the plain rule
+                C = len(next(r for _, r, _ in live if r is not None))
+                ratios = np.concatenate([np.broadcast_to(np.zeros(C, np.float32) if r is None else
+                                                         np.asarray(r, np.float32), (len(x), C)) for x, r, _ in live])
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-100:]
             try:
-                out = await loop.run_in_executor(self.pool, self.run, batch)
+                out = await loop.run_in_executor(self.pool, self.run, batch, ratios)
             except Exception as exc:  # noqa: BLE001 - handed to every waiting request
-                for _, f in live:
+                for _, _, f in live:
                     if not f.done():
                         f.set_exception(exc)
                 continue
             start = 0
-            for x, f in live:
+            for x, _, f in live:
                 n = len(x)
                 if not f.done():
                     f.set_result({k: v[start:start + n] for k, v in out.items()})
                 start += n
+
+
+class PriorMonitor:
+    """The case mix a model is served, estimated from a window of its recent calibrated probability vectors
+    (tafl.prior.em_prior; no image is kept). `add` is cheap and runs on the event loop; the EM runs in its own
+    thread every `refresh` images, so estimation never blocks or fails a prediction."""
+
+    def __init__(self, source: np.ndarray, window: int = 500, refresh: int = 50, min_images: int = 100):
+        from collections import deque
+
+        self.source = source / source.sum()
+        self.window, self.refresh, self.min_images = max(1, window), max(1, refresh), max(1, min_images)
+        self.rows: deque = deque(maxlen=self.window)
+        self.lock = threading.Lock()
+        self.since = 0
+        self.estimate: Any = None  # tafl.prior.PriorEstimate of the last refresh
+        self.updated_at: float | None = None
+        self.running = False
+        self.errors = 0
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tafl-prior")
+
+    def add(self, probs_source: np.ndarray) -> None:
+        """Calibrated posteriors under the source prior, one row per served image."""
+        with self.lock:
+            self.rows.extend(np.asarray(probs_source, np.float64))
+            self.since += len(probs_source)
+            due = self.since >= self.refresh and not self.running
+            if due:
+                self.running, self.since = True, 0
+                snapshot = np.stack(self.rows)
+        if due:
+            self.pool.submit(self._refresh, snapshot)
+
+    def _refresh(self, rows: np.ndarray) -> None:
+        from tafl.prior import em_prior
+
+        try:
+            est = em_prior(rows, self.source)
+            with self.lock:
+                self.estimate, self.updated_at = est, time.time()
+        except Exception:  # noqa: BLE001 - an estimate is advice; it never fails the service
+            self.errors += 1
+            log.warning("case-mix estimate failed; the previous one stays", exc_info=True)
+        finally:
+            with self.lock:
+                self.running = False
+
+    def current(self) -> tuple[np.ndarray | None, int, str | None]:
+        """(the estimated prior or None, images behind it, why it is not used)."""
+        with self.lock:
+            est = self.estimate
+        if est is None:
+            return None, 0, f"no estimate yet (it needs {self.min_images} served images)"
+        if est.images < self.min_images:
+            return None, est.images, f"{est.images} served images are too few for an estimate (needs {self.min_images})"
+        return est.prior, est.images, None
+
+    def describe(self) -> dict[str, Any]:
+        with self.lock:
+            est, at, n = self.estimate, self.updated_at, len(self.rows)
+        return {"source_prior": [float(v) for v in self.source], "window": self.window, "refresh": self.refresh,
+                "min_images": self.min_images, "images_in_window": n,
+                "estimate": est.to_dict() if est is not None else None,
+                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at)) if at else None}
 
 
 @dataclass
@@ -110,6 +181,7 @@ class LoadedModel:
     source: str
     loaded_at: float = field(default_factory=time.time)
     in_flight: int = 0
+    monitor: PriorMonitor | None = None  # the served case mix, for packages whose graph takes a prior
 
     @property
     def name(self) -> str:
@@ -121,12 +193,15 @@ class LoadedModel:
                 "providers": self.providers, "metadata": self.package.metadata, "card": self.package.card,
                 "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at)),
                 "recent_batch_sizes": {"count": len(sizes), "mean": float(np.mean(sizes)) if sizes else None,
-                                       "max": max(sizes) if sizes else None}}
+                                       "max": max(sizes) if sizes else None},
+                "case_mix": self.monitor.describe() if self.monitor else None}
 
 
 class ModelRegistry:
     def __init__(self, refs: list[str], *, providers: list[str] | None = None, threads: int | None = None,
-                 max_batch: int = 64, max_wait_ms: float = 2.0):
+                 max_batch: int = 64, max_wait_ms: float = 2.0, prior_window: int = 500, prior_refresh: int = 50,
+                 prior_min_images: int = 100):
+        self.prior_window, self.prior_refresh, self.prior_min_images = prior_window, prior_refresh, prior_min_images
         if not refs:
             raise PackageError("no model packages configured: set TAFL_PACKAGES to package folders or BentoML tags")
         self.providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -152,10 +227,19 @@ class ModelRegistry:
         input_name = pkg.metadata["input"]["name"]
         out_names = [o.name for o in session.get_outputs()]
 
-        def run(batch: np.ndarray) -> dict[str, np.ndarray]:
-            return dict(zip(out_names, session.run(out_names, {input_name: batch})))
+        # an input with a default is an overridable initializer to ONNX Runtime, not one of its inputs
+        takes_prior = "prior" in pkg.metadata and any(
+            i.name == "log_prior_ratio" for i in [*session.get_inputs(), *session.get_overridable_initializers()])
 
-        return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, ref)
+        def run(batch: np.ndarray, ratios: np.ndarray | None = None) -> dict[str, np.ndarray]:
+            feed = {input_name: batch}
+            if ratios is not None and takes_prior:
+                feed["log_prior_ratio"] = ratios
+            return dict(zip(out_names, session.run(out_names, feed)))
+
+        monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
+                               self.prior_refresh, self.prior_min_images) if takes_prior else None
+        return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, ref, monitor=monitor)
 
     def get(self, name: str | None) -> LoadedModel:
         with self.lock:

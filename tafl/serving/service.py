@@ -23,6 +23,17 @@ PREDICTED = bentoml.metrics.Counter(
     labelnames=["model", "version", "class_name"],
 )
 
+CASE_MIX = bentoml.metrics.Gauge(
+    name="tafl_case_mix_estimate",
+    documentation="The class prior estimated (EM on calibrated posteriors) from the model's recently served images",
+    labelnames=["model", "version", "class_name"],
+)
+CASE_MIX_SHIFT = bentoml.metrics.Gauge(
+    name="tafl_case_mix_shift",
+    documentation="Total-variation distance of the served case mix's estimate from the model's source prior",
+    labelnames=["model", "version"],
+)
+
 
 @bentoml.service(name="tafl", resources={"gpu": 1}, traffic={"timeout": 120, "concurrency": 64}, workers=1,
                  # the audit log already writes one JSON line per request; BentoML's access log and
@@ -35,8 +46,9 @@ class TaflService:
     def __init__(self) -> None:
         settings = Settings.from_env()
         self.registry = ModelRegistry(settings.packages, threads=settings.ort_threads, max_batch=settings.max_batch,
-                                      max_wait_ms=settings.batch_wait_ms)
-        configure(settings, self.registry, PREDICTED)
+                                      max_wait_ms=settings.batch_wait_ms, prior_window=settings.prior_window,
+                                      prior_refresh=settings.prior_refresh, prior_min_images=settings.prior_min_images)
+        configure(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
         log.info("tafl service ready with %s (auth %s)", ", ".join(f"{m['name']} {m['version']}"
                                                                    for m in self.registry.describe()),
                  "on" if settings.token else "off")

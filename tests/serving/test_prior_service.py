@@ -1,0 +1,94 @@
+"""Prior-aware decisions in the real service (issue 13): prior=train|adaptive|explicit, the case-mix window,
+its fallback when too few images stand behind it, and what /models and /metrics show."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tafl.packaging import load_package
+from tafl.prior import log_prior_ratio
+from tests.conftest import digit_png
+
+pytestmark = pytest.mark.slow
+
+MIN_IMAGES = 8
+
+
+@pytest.fixture(scope="module")
+def prior_server(gtafl_pkg, tmp_path_factory):
+    from tafl.serving.launch import ServerProcess
+
+    log = tmp_path_factory.mktemp("svc_prior") / "service.log"
+    env = {"BENTOML_HOME": str(tmp_path_factory.mktemp("bentoml_home_prior")), "TAFL_PRIOR_WINDOW": "64",
+           "TAFL_PRIOR_REFRESH": "4", "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES)}
+    with ServerProcess([str(gtafl_pkg)], env=env, log_path=log) as srv:
+        yield srv
+
+
+def post(srv, i=0, route="/predict", **fields):
+    return httpx.post(f"{srv.url}{route}", files={"file": ("d.png", digit_png(i), "image/png")},
+                      data={k: str(v) for k, v in fields.items()}, timeout=60)
+
+
+def test_train_prior_by_default_and_an_explicit_prior_decides_like_the_package(prior_server, gtafl_pkg):
+    pkg = load_package(gtafl_pkg)
+    C = len(pkg.class_names)
+    plain = post(prior_server, 3).json()
+    assert plain["prior"] == {"used": "train"}
+    q = np.full(C, 0.02)
+    q[7] = 1 - 0.02 * (C - 1)
+    r = post(prior_server, 3, prior=",".join(f"{v:.6f}" for v in q))
+    assert r.status_code == 200, r.text
+    b = r.json()
+    assert b["prior"]["used"] == "explicit" and b["prior"]["prior"]["7"] == pytest.approx(q[7], abs=1e-6)
+    # the same graph in process, fed the same log prior ratio, decides the same
+    sess = pkg.session(providers=["CPUExecutionProvider"])
+    from PIL import Image
+    import io
+
+    x = pkg.preprocess([np.asarray(Image.open(io.BytesIO(digit_png(3))))])
+    want = pkg.run(sess, x, log_prior_ratio(q, np.asarray(pkg.metadata["prior"]["source_prior"])))
+    assert b["label"] == int(want["label"][0])
+    assert b["probabilities"]["7"] == pytest.approx(float(want["probs"][0, 7]), abs=1e-5)
+    assert abs(sum(b["probabilities"].values()) - 1) < 1e-4
+    # a JSON list works too, and the batch route takes the option
+    assert post(prior_server, 3, prior="[" + ",".join(map(str, q)) + "]").json()["label"] == b["label"]
+    batch = httpx.post(f"{prior_server.url}/predict/batch", files=[("file", ("a.png", digit_png(3), "image/png"))] * 2,
+                       data={"prior": ",".join(map(str, q))}, timeout=60).json()
+    assert batch["prior"]["used"] == "explicit" and [x["label"] for x in batch["results"]] == [b["label"]] * 2
+
+
+@pytest.mark.parametrize("bad, why", [("0.5,0.5,0.5,0,0,0,0,0,0,0", "sum to 1"),
+                                      ("1.5,-0.5,0,0,0,0,0,0,0,0", "negative"),
+                                      ("0.5,0.5", "one value per class"),
+                                      ("nan,1,0,0,0,0,0,0,0,0", "finite"),
+                                      ("lots", "train, adaptive")])
+def test_a_bad_explicit_prior_is_a_400_with_a_message(prior_server, bad, why):
+    r = post(prior_server, 1, prior=bad)
+    assert r.status_code == 400, r.text
+    assert why in r.json()["error"]["message"]
+
+
+def test_adaptive_falls_back_until_enough_images_then_follows_the_served_mix(prior_server):
+    first = post(prior_server, 2, prior="adaptive").json()
+    assert first["prior"]["used"] == "train" and first["prior"]["requested"] == "adaptive"
+    assert "fallback" in first["prior"]
+    for i in range(3 * MIN_IMAGES):  # a stream of served images: the window fills and an estimate is made
+        assert post(prior_server, i % 10).status_code == 200
+    deadline = time.time() + 10
+    while True:
+        b = post(prior_server, 2, prior="adaptive").json()
+        if b["prior"]["used"] == "adaptive" or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert b["prior"]["used"] == "adaptive", b["prior"]
+    assert b["prior"]["images"] >= MIN_IMAGES
+    assert abs(sum(b["prior"]["prior"].values()) - 1) < 1e-6 and 0 <= b["prior"]["shift_from_source"] <= 1
+    mix = httpx.get(f"{prior_server.url}/models", timeout=30).json()["models"][0]["case_mix"]
+    assert mix["estimate"]["images"] >= MIN_IMAGES and mix["images_in_window"] <= 64
+    metrics = httpx.get(f"{prior_server.url}/metrics", timeout=30).text
+    assert "tafl_case_mix_estimate" in metrics and "tafl_case_mix_shift" in metrics
