@@ -248,7 +248,7 @@ def cmd_predict(ns: argparse.Namespace) -> int:
     with Client(ns.url, token=token) as client:
         for f in ns.files:
             try:
-                p = client.predict(f, model=ns.model, heatmap=heat_dir is not None)
+                p = client.predict(f, model=ns.model, heatmap=heat_dir is not None, prior=ns.prior)
             except ServiceCallError as exc:
                 if exc.status == 0 or exc.status == 401:
                     raise  # the service is unreachable or refuses us: nothing else will work either
@@ -257,7 +257,7 @@ def cmd_predict(ns: argparse.Namespace) -> int:
                 continue
             row = {"file": f, "label": p.label, "class_name": p.class_name, "probability": p.probability,
                    "experts": {e.name: e.class_name for e in p.experts}, "model": p.model,
-                   "request_id": p.request_id}
+                   "request_id": p.request_id, "prior": p.prior}
             if p.frames:
                 row["frames"] = [{"frame": fr.frame, "class_name": fr.class_name, "probability": fr.probability}
                                  for fr in p.frames]
@@ -274,9 +274,12 @@ def cmd_predict(ns: argparse.Namespace) -> int:
                 print(f"{r['file']}: ERROR {r['error']}")
                 continue
             ex = " ".join(f"{k}={v}" for k, v in r["experts"].items())
+            pr = r.get("prior") or {}
+            note = f" prior={pr.get('used')}" + (f" (fallback: {pr['fallback']})" if pr.get("fallback") else "") \
+                if pr.get("used") not in (None, "train") or pr.get("fallback") else ""
             print(f"{r['file']}: {r['class_name']} (p={r['probability']:.3f}) {ex}  "
-                  f"[{r['model']['name']} {r['model']['version']}]" + (f" heatmap {r['heatmap']}" if "heatmap" in r
-                                                                       else ""))
+                  f"[{r['model']['name']} {r['model']['version']}]{note}" +
+                  (f" heatmap {r['heatmap']}" if "heatmap" in r else ""))
             for fr in r.get("frames", [])[1:]:
                 print(f"    frame {fr['frame']}: {fr['class_name']} (p={fr['probability']:.3f})")
     return 1 if failures == len(ns.files) else 0
@@ -288,7 +291,7 @@ def cmd_score(ns: argparse.Namespace) -> int:
     summary = score_folder(ns.folder, ns.out, url=ns.url, package=ns.package,
                            token=ns.token or os.environ.get("TAFL_API_TOKEN"), model=ns.model,
                            concurrency=ns.concurrency, batch_size=ns.batch_size, resume=ns.resume, force=ns.force,
-                           progress=False if ns.no_progress else None)
+                           progress=False if ns.no_progress else None, prior=ns.prior)
     print_summary(summary)
     return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
 
@@ -407,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--heatmap", metavar="OUT_DIR", help="also save each heatmap overlay PNG into OUT_DIR")
     pr.add_argument("--json", action="store_true", help="JSON instead of a table")
     pr.add_argument("--token", help="bearer token (default $TAFL_API_TOKEN)")
+    pr.add_argument("--prior", help="train (default), adaptive (the service's estimate of its served case mix), or "
+                                    "comma-separated class probabilities")
     pr.set_defaults(func=cmd_predict)
 
     sc = sub.add_parser("score", help="score every image in a folder into a CSV or JSONL file")
@@ -423,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--resume", action="store_true", help="continue an interrupted job, scoring nothing twice")
     sc.add_argument("--force", action="store_true", help="replace an existing results file")
     sc.add_argument("--no-progress", action="store_true")
+    sc.add_argument("--prior", default="train",
+                    help="train (default); adaptive: estimate the folder's class mix from all its images (EM on the "
+                         "calibrated posteriors) and re-decide every row for it, no second inference; or "
+                         "comma-separated class probabilities")
     sc.set_defaults(func=cmd_score)
 
     rt = sub.add_parser("retrain", help="continue training from a package's checkpoint on new or more data")

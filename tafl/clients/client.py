@@ -75,6 +75,8 @@ class Prediction:
     input: dict[str, Any] = field(default_factory=dict)
     heatmap: Heatmap | None = None
     frames: list[FrameResult] | None = None
+    prior: dict[str, Any] | None = None  # which prior decided (train, adaptive, explicit) and the estimate behind it
+    calibrated_probabilities: dict[str, float] | None = None  # asked for with posteriors=True
 
     @property
     def model_version(self) -> str:
@@ -92,7 +94,8 @@ class Prediction:
                    request_id=b.get("request_id", ""), timing_ms=b.get("timing_ms", {}), input=b.get("input", {}),
                    heatmap=Heatmap(base64.b64decode(hm["png_base64"]), tuple(hm["shape"]), hm["kind"]) if hm else None,
                    frames=[FrameResult(f["frame"], f["label"], f["class_name"], f["probability"], f["probabilities"],
-                                       votes(f.get("experts", []))) for f in frames] if frames else None)
+                                       votes(f.get("experts", []))) for f in frames] if frames else None,
+                   prior=b.get("prior"), calibrated_probabilities=b.get("calibrated_probabilities"))
 
 
 def _payload(image: str | Path | bytes) -> tuple[str, bytes]:
@@ -142,11 +145,15 @@ class _Base:
         raise ServiceCallError(0, f"cannot reach {self.url} after {self.retries + 1} attempts "
                                   f"({type(last).__name__}: {last})") from last
 
-    def _form(self, image, model, heatmap) -> tuple[dict, dict]:
+    def _form(self, image, model, heatmap, prior: str | None = None, posteriors: bool = False) -> tuple[dict, dict]:
         name, data = _payload(image)
         fields = {"heatmap": "true" if heatmap else "false"}
         if model:
             fields["model"] = model
+        if prior:
+            fields["prior"] = prior
+        if posteriors:
+            fields["posteriors"] = "true"
         return {"file": (name, data, "application/octet-stream")}, fields
 
 
@@ -170,22 +177,30 @@ class Client(_Base):
                 time.sleep(self._delay(attempt))
         self._give_up(last)
 
-    def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False) -> Prediction:
-        files, data = self._form(image, model, heatmap)
+    def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
+                prior: str | None = None, posteriors: bool = False) -> Prediction:
+        """`prior`: train (default), adaptive (the service's estimate of its served case mix) or comma-separated
+        class probabilities; the answer's `prior` says which one decided."""
+        files, data = self._form(image, model, heatmap, prior, posteriors)
         return Prediction.from_json(self._call("POST", "/predict", files=files, data=data).json())
 
-    def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None
-                      ) -> list[Prediction | ServiceCallError]:
-        """One request for several images; each comes back as a Prediction or the error for that image."""
+    def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None, prior: str | None = None,
+                      posteriors: bool = False) -> list[Prediction | ServiceCallError]:
+        """One request for several images; each comes back as a Prediction or the error for that image.
+        `prior`: train (default), adaptive, or comma-separated class probabilities; `posteriors`: also return
+        each image's calibrated probabilities."""
         files = [("file", (name, data, "application/octet-stream")) for name, data in map(_payload, images)]
-        body = self._call("POST", "/predict/batch", files=files, data={"model": model} if model else None).json()
+        data = {k: v for k, v in (("model", model), ("prior", prior),
+                                  ("posteriors", "true" if posteriors else None)) if v}
+        body = self._call("POST", "/predict/batch", files=files, data=data or None).json()
         out: list[Prediction | ServiceCallError] = []
         for item in body["results"]:
             if "error" in item:
                 e = item["error"]
                 out.append(ServiceCallError(e["status"], e["message"], e.get("code", ""), body.get("request_id")))
             else:
-                out.append(Prediction.from_json({**item, "model": body["model"], "request_id": body["request_id"]}))
+                out.append(Prediction.from_json({**item, "model": body["model"], "request_id": body["request_id"],
+                                                 "prior": body.get("prior")}))
         return out
 
     def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:
@@ -236,8 +251,9 @@ class AsyncClient(_Base):
                 await asyncio.sleep(self._delay(attempt))
         self._give_up(last)
 
-    async def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False) -> Prediction:
-        files, data = self._form(image, model, heatmap)
+    async def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
+                      prior: str | None = None, posteriors: bool = False) -> Prediction:
+        files, data = self._form(image, model, heatmap, prior, posteriors)
         return Prediction.from_json((await self._call("POST", "/predict", files=files, data=data)).json())
 
     async def models(self) -> list[dict[str, Any]]:

@@ -65,18 +65,23 @@ class Row:
     model: str = ""
     model_version: str = ""
     error: str = ""
+    posteriors: list[float] | None = None  # calibrated, under the source prior (--prior adaptive)
+
+
+ADAPTIVE_COLUMNS = ["adaptive_label", "adaptive_class_name"]
 
 
 class ResultsFile:
     """Append-only CSV or JSONL whose every line is complete (one write per row, then flush)."""
 
-    def __init__(self, path: Path, expert_names: list[str], *, resume: bool, force: bool):
+    def __init__(self, path: Path, expert_names: list[str], *, resume: bool, force: bool, num_posteriors: int = 0):
         self.path, self.expert_names = path, expert_names
         self.jsonl = path.suffix.lower() == ".jsonl"
         if path.suffix.lower() not in (".csv", ".jsonl"):
             raise ConfigError(f"--out {path}: use a .csv or .jsonl file")
+        self.post_cols = [f"p{c}" for c in range(num_posteriors)]
         self.columns = (["path", "label", "class_name", "probability"] + [f"expert_{e}" for e in expert_names]
-                        + ["model", "model_version", "error"])
+                        + ["model", "model_version", "error"] + self.post_cols)
         self.done: set[str] = set()
         if path.exists() and path.stat().st_size > 0:
             if not resume and not force:
@@ -105,7 +110,7 @@ class ResultsFile:
                     self.done.add(json.loads(line)["path"])
         else:
             reader = csv.DictReader(io.StringIO(text))
-            if reader.fieldnames and reader.fieldnames != self.columns:
+            if reader.fieldnames and reader.fieldnames not in (self.columns, self.columns + ADAPTIVE_COLUMNS):
                 raise ConfigError(f"{self.path} has columns {reader.fieldnames}; this model writes {self.columns} "
                                   "(a different model?); use another --out")
             self.done = {r["path"] for r in reader}
@@ -122,7 +127,8 @@ class ResultsFile:
     def write(self, row: Row) -> None:
         experts = {f"expert_{e}": row.experts.get(e, "") for e in self.expert_names}
         rec = {"path": row.path, "label": row.label, "class_name": row.class_name, "probability": row.probability,
-               **experts, "model": row.model, "model_version": row.model_version, "error": row.error}
+               **experts, "model": row.model, "model_version": row.model_version, "error": row.error,
+               **{c: (row.posteriors[i] if row.posteriors else None) for i, c in enumerate(self.post_cols)}}
         if self.jsonl:
             self._write_line(json.dumps(rec) + "\n")
         else:
@@ -138,9 +144,11 @@ class ResultsFile:
 class RemoteScorer:
     """Through the service: batches of images per request, a bounded number of requests in flight."""
 
-    def __init__(self, url: str, token: str | None, model: str | None, concurrency: int, batch_size: int = 16):
+    def __init__(self, url: str, token: str | None, model: str | None, concurrency: int, batch_size: int = 16,
+                 prior: str | None = None, posteriors: bool = False):
         from tafl.clients.client import Client
 
+        self.prior, self.posteriors = prior, posteriors
         # retries with backoff ride out a service restart (about 10 s here) without losing the job
         self.client = Client(url, token=token, max_connections=max(concurrency, 1), retries=6, backoff=0.5)
         self.model, self.concurrency, self.batch_size = model, concurrency, max(1, batch_size)
@@ -162,7 +170,8 @@ class RemoteScorer:
                 rows[p] = Row(rel(p), error=f"unreadable: {exc.strerror or exc}")
         if readable:
             try:
-                answers = self.client.predict_batch([d for _, d in readable], model=self.model)
+                answers = self.client.predict_batch([d for _, d in readable], model=self.model, prior=self.prior,
+                                                    posteriors=self.posteriors)
             except ServiceCallError as exc:
                 if exc.status == 0 or exc.status >= 500 or exc.status in (401, 404):
                     raise  # the service, not the files, failed: stop the job (the file stays resumable)
@@ -171,8 +180,10 @@ class RemoteScorer:
                 if isinstance(a, ServiceCallError):
                     rows[p] = Row(rel(p), error=f"{a.status} {a.code}: {a.detail}")
                 else:
+                    cal = a.calibrated_probabilities
                     rows[p] = Row(rel(p), a.label, a.class_name, a.probability,
-                                  {e.name: e.class_name for e in a.experts}, a.model["name"], a.model["version"])
+                                  {e.name: e.class_name for e in a.experts}, a.model["name"], a.model["version"],
+                                  posteriors=[cal[n] for n in self.meta["class_names"]] if cal else None)
         return [rows[p] for p in paths]
 
     def score(self, paths: list[Path], rel: Callable[[Path], str]) -> Iterator[Row]:
@@ -193,9 +204,10 @@ class RemoteScorer:
 class LocalScorer:
     """In-process: the service's decoder, the package's preprocessing, ONNX Runtime in batches."""
 
-    def __init__(self, package: str, batch_size: int, threads: int | None = None):
+    def __init__(self, package: str, batch_size: int, threads: int | None = None, ratio: np.ndarray | None = None):
         from tafl.packaging import load_package
 
+        self.ratio = ratio  # an explicit prior's log ratio, fed to the graph
         self.pkg = load_package(package)
         self.session = self.pkg.session(["CPUExecutionProvider"], threads)
         self.meta, self.batch_size = self.pkg.metadata, batch_size
@@ -218,14 +230,17 @@ class LocalScorer:
                 except OSError as exc:
                     rows[p] = Row(rel(p), error=f"unreadable: {exc.strerror or exc}")
             if ok:
-                out = self.pkg.run(self.session, pre.normalize(np.stack(arrays)))
+                out = self.pkg.run(self.session, pre.normalize(np.stack(arrays)), self.ratio)
                 for i, p in enumerate(ok):
                     label = int(out["label"][i])
                     ex = {}
                     if "expert_labels" in out:
                         ex = {e: names[int(out["expert_labels"][i, j])] for j, e in enumerate(experts)}
+                    post = None
+                    if "calibrated_probs" in out and self.ratio is None:
+                        post = [float(v) for v in out["calibrated_probs"][i]]
                     rows[p] = Row(rel(p), label, names[label], float(out["probs"][i, label]), ex, self.pkg.name,
-                                  self.pkg.version)
+                                  self.pkg.version, posteriors=post)
             for p in chunk:
                 yield rows[p]
 
@@ -237,8 +252,14 @@ class LocalScorer:
 def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None, package: str | None = None,
                  token: str | None = None, model: str | None = None, concurrency: int = 4, batch_size: int = 16,
                  resume: bool = False, force: bool = False, progress: bool | None = None,
-                 on_row: Callable[[Row], None] | None = None) -> dict[str, Any]:
+                 on_row: Callable[[Row], None] | None = None, prior: str = "train") -> dict[str, Any]:
+    """`prior`: train (the model's own rule); adaptive (each row keeps its calibrated posteriors; at the end the
+    folder's class mix is estimated from all of them and every row is re-decided for it, without a second
+    inference: the file gains adaptive_label and adaptive_class_name); or comma-separated class probabilities
+    (the graph decides for that prior)."""
     folder, out = Path(folder), Path(out)
+    mode = (prior or "train").strip().lower()
+    adaptive = mode == "adaptive"
     if (url is None) == (package is None):
         raise ConfigError("give exactly one of --url URL (remote scoring) or --package PKG_DIR (in-process)")
     if not folder.is_dir():
@@ -246,10 +267,20 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     images, skipped = walk(folder)
     if not images:
         raise DataError(f"{folder} holds no DICOM, PNG or JPEG files ({len(skipped)} other file(s) skipped)")
-    scorer: RemoteScorer | LocalScorer = (RemoteScorer(url, token, model, concurrency, min(batch_size, 64)) if url
-                                          else LocalScorer(package, batch_size))
+    explicit = None if mode in ("train", "adaptive") else prior
+    if url:
+        scorer: RemoteScorer | LocalScorer = RemoteScorer(url, token, model, concurrency, min(batch_size, 64),
+                                                          prior=explicit, posteriors=adaptive)
+    else:
+        scorer = LocalScorer(package, batch_size)
+        if explicit is not None:
+            scorer.ratio = _explicit_ratio(scorer.meta, explicit)
+    if (adaptive or explicit is not None) and "prior" not in scorer.meta:
+        raise ConfigError(f"--prior {prior}: the model {scorer.meta.get('name')} {scorer.meta.get('version')} was "
+                          "exported before prior-aware inference; re-export it with this tafl")
     experts = [e["name"] for e in scorer.meta.get("experts", [])]
-    results = ResultsFile(out, experts, resume=resume, force=force)
+    results = ResultsFile(out, experts, resume=resume, force=force,
+                          num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
 
     def rel(p: Path) -> str:
         return p.relative_to(folder).as_posix()
@@ -281,9 +312,89 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     mix = [{"class_name": n, "predicted": counts.get(n, 0),
             "predicted_share": counts.get(n, 0) / scored if scored else 0.0,
             "training_share": t / total_train} for n, t in zip(names, train)]
-    return {"images": len(images), "scored_now": len(todo), "already_done": len(images) - len(todo),
-            "predicted": scored, "failed": failed, "skipped": [rel(p) for p in skipped], "class_mix": mix,
-            "out": str(out)}
+    summary = {"images": len(images), "scored_now": len(todo), "already_done": len(images) - len(todo),
+               "predicted": scored, "failed": failed, "skipped": [rel(p) for p in skipped], "class_mix": mix,
+               "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
+    if adaptive:
+        summary["prior"] = redecide_adaptive(out, scorer.meta)
+        for m in mix:
+            m["adaptive_predicted"] = summary["prior"]["adaptive_counts"].get(m["class_name"], 0)
+    return summary
+
+
+MIN_ADAPTIVE_IMAGES = 30
+
+
+def _explicit_ratio(meta: dict[str, Any], prior: str) -> np.ndarray:
+    from tafl.prior import check_prior, log_prior_ratio
+
+    if "prior" not in meta:
+        raise ConfigError(f"--prior: the model {meta.get('name')} was exported before prior-aware inference")
+    try:
+        values = json.loads(prior) if prior.strip().startswith("[") else [float(v) for v in prior.split(",")]
+    except ValueError:
+        raise ConfigError(f"--prior must be train, adaptive or comma-separated class probabilities, got {prior!r}") \
+            from None
+    q = check_prior(values, len(meta["class_names"]), "--prior")
+    return log_prior_ratio(q, np.asarray(meta["prior"]["source_prior"], np.float64))
+
+
+def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Estimate the folder's class mix from every scored row's calibrated posteriors (EM) and rewrite the
+    results file, atomically, with each row's decision for that mix beside its plain one."""
+    from tafl.prior import adapt, em_prior
+
+    names = meta["class_names"]
+    C = len(names)
+    src = np.asarray(meta["prior"]["source_prior"], np.float64)
+    jsonl = out.suffix.lower() == ".jsonl"
+    text = out.read_text("utf-8")
+    if jsonl:
+        recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+        fields = list(recs[0]) if recs else []
+    else:
+        reader = csv.DictReader(io.StringIO(text))
+        recs, fields = list(reader), list(reader.fieldnames or [])
+    cols = [f"p{c}" for c in range(C)]
+    scored = [r for r in recs if not r.get("error") and all(r.get(c) not in (None, "") for c in cols)]
+    P = np.array([[float(r[c]) for c in cols] for r in scored]).reshape(-1, C)
+    info: dict[str, Any] = {"requested": "adaptive", "images": len(scored), "source_prior": dict(zip(names, src))}
+    if len(scored) < MIN_ADAPTIVE_IMAGES:
+        q = src
+        info.update(used="train", fallback=f"{len(scored)} scored images are too few for an estimate (needs "
+                                          f"{MIN_ADAPTIVE_IMAGES}); the adaptive columns repeat the source prior's "
+                                          "decision")
+    else:
+        est = em_prior(P, src)
+        q = est.prior
+        info.update(used="adaptive", estimate=dict(zip(names, map(float, q))), shift_from_source=est.shift,
+                    iterations=est.iterations, converged=est.converged)
+    decided = adapt(P, src, q).argmax(1) if len(P) else np.zeros(0, np.int64)
+    by_path = {r["path"]: int(d) for r, d in zip(scored, decided)}
+    counts: dict[str, int] = {}
+    changed = 0
+    for r in recs:
+        d = by_path.get(r["path"])
+        r["adaptive_label"] = "" if d is None else d
+        r["adaptive_class_name"] = "" if d is None else names[d]
+        if d is not None:
+            counts[names[d]] = counts.get(names[d], 0) + 1
+            changed += str(d) != str(r.get("label"))
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as fh:
+        if jsonl:
+            for r in recs:
+                fh.write(json.dumps(r) + "\n")
+        else:
+            w = csv.DictWriter(fh, fieldnames=[f for f in fields if f not in ADAPTIVE_COLUMNS] + ADAPTIVE_COLUMNS,
+                               lineterminator="\n")
+            w.writeheader()
+            w.writerows(recs)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+    info.update(adaptive_counts=counts, changed=changed)
+    return info
 
 
 def print_summary(s: dict[str, Any]) -> None:
@@ -299,3 +410,13 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"  ... and {len(s['failed']) - 20} more (see the error column)")
     for path in s["skipped"][:10]:
         print(f"  skipped (not DICOM, PNG or JPEG): {path}")
+    pr = s.get("prior") or {}
+    if pr.get("requested") == "adaptive":
+        if pr.get("used") == "adaptive":
+            print(f"\nadaptive prior from {pr['images']} images (total variation {pr['shift_from_source']:.3f} from "
+                  f"the training prior; {pr['changed']} decisions changed):")
+            for m in s["class_mix"]:
+                print(f"  {m['class_name'][:40]:40} estimate {100 * pr['estimate'][m['class_name']]:6.1f}%  "
+                      f"adaptive predictions {m.get('adaptive_predicted', 0)}")
+        else:
+            print(f"\nadaptive prior not used: {pr.get('fallback')}")

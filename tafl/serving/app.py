@@ -311,7 +311,7 @@ async def _infer(model: LoadedModel, frames: list[np.ndarray],
     return out
 
 
-def _frame_result(model: LoadedModel, out: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+def _frame_result(model: LoadedModel, out: dict[str, np.ndarray], i: int, posteriors: bool = False) -> dict[str, Any]:
     names = model.package.class_names
     label = int(out["label"][i])
     probs = out["probs"][i]
@@ -325,6 +325,8 @@ def _frame_result(model: LoadedModel, out: dict[str, np.ndarray], i: int) -> dic
                             "probability": float(out["expert_probs"][i, e, el])})
         res["votes"] = {n: float(v) for n, v in zip(names, out["votes"][i])}
     res["experts"] = experts
+    if posteriors and "calibrated_probs" in out:  # under the request's prior (prior=train: the source prior)
+        res["calibrated_probabilities"] = {n: float(p) for n, p in zip(names, out["calibrated_probs"][i])}
     return res
 
 
@@ -355,7 +357,8 @@ async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     out = await _infer(model, decoded.frames, ratio)
     t2 = time.perf_counter()
     audit.update(kind=decoded.kind, frames=len(decoded.frames), prior=prior["used"])
-    out["_prior"] = prior  # type: ignore[assignment]
+    out["_prior"] = prior  # type: ignore[assignment]  # request facts the routes answer with
+    out["_posteriors"] = _flag(options.get("posteriors", "false"), "posteriors")  # type: ignore[assignment]
     return model, decoded, out, want_heat, (t0, t1, t2)
 
 
@@ -366,7 +369,7 @@ async def predict(request: Request) -> Response:
     try:
         async with asyncio.timeout(state.settings.timeout_s):  # no extra task per request, unlike wait_for
             model, decoded, out, want_heat, (t0, t1, t2) = await _predict_core(request, rid, audit)
-        results = [_frame_result(model, out, i) for i in range(len(decoded.frames))]
+        results = [_frame_result(model, out, i, bool(out["_posteriors"])) for i in range(len(decoded.frames))]
         body: dict[str, Any] = {"request_id": rid, **results[0],
                                 "model": {"name": model.name, "version": model.package.version,
                                           "method": model.package.metadata["method"]},
@@ -453,6 +456,7 @@ async def predict_batch(request: Request) -> Response:
         if _flag(options.get("heatmap", "false"), "heatmap"):
             raise BadRequest("heatmaps are not returned in batches; call /predict or /heatmap per image")
         ratio, prior = _prior_choice(model, options)
+        prior["posteriors"] = _flag(options.get("posteriors", "false"), "posteriors")
         audit["prior"] = prior["used"]
         decoded = await asyncio.to_thread(lambda: [_decode_or_error(f, s) for f in files])
         frames = [d.frames for d in decoded if not isinstance(d, Exception)]
@@ -468,7 +472,7 @@ async def predict_batch(request: Request) -> Response:
                 results.append({"index": i, "error": {"status": d.status, "code": type(d).__name__,
                                                       "message": d.message}})
                 continue
-            per = [_frame_result(model, out, row + j) for j in range(len(d.frames))]
+            per = [_frame_result(model, out, row + j, prior["posteriors"]) for j in range(len(d.frames))]
             row += len(d.frames)
             item = {"index": i, **per[0], "input": {"kind": d.kind, "frames": len(d.frames)}}
             if len(per) > 1:

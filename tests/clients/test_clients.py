@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tafl.clients.client import Client, Prediction, ServiceCallError
 from tafl.clients.score import score_folder
+from tafl.errors import ConfigError
+from tafl.packaging import load_package
 from tafl.serving.launch import ServerProcess, free_port
 from tests.conftest import SHARED_DATA, TOKEN, digit_png
 
@@ -300,3 +303,46 @@ def test_retrain_export_reload_loop(gtafl_pkg, tmp_path):
         assert "1.0.0" in versions and versions[-1] == "1.1.0"
         assert c.predict(digit_png(3)).model_version == "1.1.0"
         assert [m["version"] for m in c.models()] == ["1.1.0"]
+
+
+def _digit_folder(root: Path, n: int = 60) -> Path:
+    folder = root / "digits"
+    folder.mkdir(parents=True)
+    for i in range(n):
+        (folder / f"d{i:03d}.png").write_bytes(digit_png(i))
+    return folder
+
+
+def test_score_with_an_adaptive_prior_re_decides_every_row_without_a_second_inference(server, gtafl_pkg, tmp_path):
+    from tafl.prior import adapt, em_prior
+
+    folder = _digit_folder(tmp_path)
+    local = score_folder(folder, tmp_path / "local.csv", package=str(gtafl_pkg), batch_size=16, progress=False,
+                         prior="adaptive")
+    remote = score_folder(folder, tmp_path / "remote.jsonl", url=server.url, batch_size=16, progress=False,
+                          prior="adaptive")
+    pr = local["prior"]
+    assert pr["used"] == "adaptive" and pr["images"] == 60 and 0 <= pr["shift_from_source"] <= 1
+    assert abs(sum(pr["estimate"].values()) - 1) < 1e-9
+    rows = _rows(tmp_path / "local.csv")
+    C = len(load_package(gtafl_pkg).class_names)
+    P = np.array([[float(r[f"p{c}"]) for c in range(C)] for r in rows])
+    src = np.asarray(load_package(gtafl_pkg).metadata["prior"]["source_prior"])
+    q = em_prior(P, src).prior  # the summary's estimate is EM over the rows the file keeps
+    assert np.allclose(q, [pr["estimate"][n] for n in load_package(gtafl_pkg).class_names])
+    assert [int(r["adaptive_label"]) for r in rows] == adapt(P, src, q).argmax(1).tolist()
+    assert sum(m["adaptive_predicted"] for m in local["class_mix"]) == 60
+    # the service's calibrated posteriors are the package's: the same estimate and decisions remotely
+    rrows = [json.loads(x) for x in (tmp_path / "remote.jsonl").read_text().splitlines()]
+    assert [r["adaptive_label"] for r in rrows] == [int(r["adaptive_label"]) for r in rows]
+    assert np.allclose([remote["prior"]["estimate"][n] for n in pr["estimate"]], list(pr["estimate"].values()),
+                       atol=1e-5)
+    # an explicit prior goes to the graph; too few images fall back with a reason
+    few = _digit_folder(tmp_path / "few", 5)
+    small = score_folder(few, tmp_path / "few.csv", package=str(gtafl_pkg), progress=False, prior="adaptive")
+    assert small["prior"]["used"] == "train" and "too few" in small["prior"]["fallback"]
+    one_hot = ",".join("0.91" if c == 4 else "0.01" for c in range(C))
+    ex = score_folder(few, tmp_path / "ex.csv", package=str(gtafl_pkg), progress=False, prior=one_hot)
+    assert ex["prior"]["used"] == "explicit"
+    with pytest.raises(ConfigError, match="sum to 1"):
+        score_folder(few, tmp_path / "bad.csv", package=str(gtafl_pkg), progress=False, prior=",".join(["0.2"] * C))
