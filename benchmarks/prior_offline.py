@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--data-root", default=None)
     p.add_argument("--name", default="prior_offline")
     p.add_argument("--draws", type=int, default=5)
+    p.add_argument("--only", default="", help="comma-separated candidate names to keep (default: all)")
     a = p.parse_args()
     rows: dict[tuple[str, str], list[dict]] = {}
     t0 = time.perf_counter()
@@ -81,7 +82,10 @@ def main() -> None:
         ranks = np.asarray(ck["class_ranks"])
         counts = np.asarray(ck["train_class_counts"], np.float64)
         C = len(counts)
+        keep = [c.strip() for c in a.only.split(",") if c.strip()]
         for cand, splits in candidates(method, state, ds, cfg).items():
+            if keep and not any(cand.startswith(k) for k in keep):
+                continue
             zv, _, kind = splits["val"]
             src = counts / counts.sum() if kind == "train" else np.full(C, 1.0 / C)
             cals = {"none": Calibration(source_prior=src), "BCTS on validation": fit_calibration(zv, ds.val.labels, "bcts")}

@@ -270,15 +270,16 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
         raise ValueError(f"probs must be (N, {len(src)}), got {p.shape}")
     if len(p) == 0:
         return PriorEstimate(src.copy(), 0, 0, False, 0.0)
-    ratio = p / src  # p(y|x)/π_y: E-step posteriors are ratio·q, renormalised
+    ratio = p / src  # p(y|x)/π_y; the E-step posterior of image i is ratio_i·q / (ratio_i · q)
+    ratio_t = np.ascontiguousarray(ratio.T)
+    n = len(p)
     q = src.copy()
     converged = False
     it = 0
     for it in range(1, max_iter + 1):
-        post = ratio * q
-        post /= np.clip(post.sum(1, keepdims=True), 1e-300, None)
-        new = post.mean(0)
-        new = np.clip(new, floor, None)
+        # M-step without forming the (N, C) posteriors: q'_c = q_c · mean_i ratio_ic / (ratio_i · q)
+        inv = 1.0 / np.maximum(ratio @ q, 1e-300)
+        new = np.maximum(q * (ratio_t @ inv) / n, floor)
         new /= new.sum()
         if float(np.abs(new - q).max()) < tol:
             q = new
