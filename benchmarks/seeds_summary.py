@@ -53,7 +53,9 @@ def main() -> None:
                  | {"avg": r["average_accuracy"]} for s, r in reps.items()} for row, reps in runs.items()}
     # the ablation rows that need no run of their own: parts of the full GTAFL runs
     if "gtafl" in runs:
-        for key, name in (("uniform", "GTAFL's uniform expert alone (−EN, same runs)"),
+        for key, name in (("forward", "GTAFL's forward expert alone (same runs)"),
+                          ("uniform", "GTAFL's uniform expert alone (−EN, same runs)"),
+                          ("backward", "GTAFL's backward expert alone (same runs)"),
                           ("original_head", "GTAFL's FedAvg head (−CR, same runs)")):
             acc[name] = {s: {n: r["experts"][key][n]["accuracy"] for n in DISTRIBUTION_NAMES} for s, r in
                          runs["gtafl"].items()}
@@ -80,6 +82,13 @@ def main() -> None:
                    f"{100 * (g['backward50'] - c_['backward50']):+.2f}"),
                   ("GTAFL forward50 ≥ CReFF", g["forward50"] >= c_["forward50"],
                    f"{100 * (g['forward50'] - c_['forward50']):+.2f}")]
+        def secs(row: str, key: str) -> float:
+            return mean([runs[row][s]["timing"].get(key, 0.0) for s in runs[row]])
+
+        client, server = secs("gtafl", "client_s") / secs("creff", "client_s"), \
+            secs("gtafl", "server_s") / secs("creff", "server_s")
+        checks += [("client time ≤ 1.1× CReFF (whole runs, mean over seeds)", client <= 1.1, f"{client:.2f}×"),
+                   ("server time ≤ 3× CReFF (whole runs, mean over seeds)", server <= 3.0, f"{server:.2f}×")]
         lines += ["", "## Issue 12's targets (means over the seeds)", "", "| target | met | value |", "|---|---|---|"]
         lines += [f"| {t} | {'yes' if ok else '**no**'} | {v} |" for t, ok, v in checks]
         out["targets"] = {t: {"met": bool(ok), "value": v} for t, ok, v in checks}

@@ -8,12 +8,15 @@ The same pass also gives per-class feature sums, sums of squares and counts (the
 statistics), which travel with the gradients.
 Server, every round: FedAvg of extractor, original head and BatchNorm statistics; per-class
 mean of the expert gradients over the clients holding the class; exact per-class feature mean
-μ_c and spread σ_c from the statistics; each expert's persistent GFF bank (m + λ·d_c features
-per class) starts at N(μ_c, diag σ_c²) and is re-anchored at μ_c every round (docs/design.md),
-then gradient-matched; retraining of every expert on its bank; then SimCLR on the unlabeled
-server pool, refining the extractor the next round starts from. Inference: the experts vote.
-CReFF is this code with one uniform expert, N(0, 1) banks and neither GI-GDS nor SimCLR (with
-`bank_init: stats` it is the "CReFF + statistics" ablation). The switches `cr`,
+μ_c and spread σ_c from the statistics; the experts are retrained in a frame centred at κ, the
+class-balanced mean of the μ_c (the clients' gradients are converted exactly), so heads trained
+on zero-mean N(0, 1) GFF banks (m + λ·d_c features per class, persistent, gradient-matched)
+meet the real features' common mean at test time (docs/design.md §1); then SimCLR on the
+unlabeled server pool every few rounds. After the last round a features-only finishing round
+retrains the experts at the final extractor. Inference: the experts vote.
+CReFF is this code with one uniform expert, the raw frame, no finishing round and neither
+GI-GDS nor SimCLR (`--gff-centre --final-round-frac 1` makes it the "CReFF + statistics"
+ablation; `bank_init: stats` draws banks from N(μ_c, diag σ_c²), measured worse). The switches `cr`,
 `en`, `cl`, `gs` turn each part off for the ablation (the paper's Table IV).
 """
 
