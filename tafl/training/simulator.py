@@ -295,6 +295,17 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     return state
 
 
+def _charge(book: dict[str, Any], cost: dict[str, Any]) -> None:
+    """Book a features-only or calibration round's bytes and client time."""
+    comm = book["communication"]
+    comm["downlink_bytes"] += cost["downlink_bytes"]
+    comm["uplink_bytes"] += cost["uplink_bytes"]
+    for key in ("wire_uplink_bytes", "wire_downlink_bytes"):
+        if key in cost:
+            comm[key] = comm.get(key, 0) + cost[key]
+    book["timing"]["client_s"] += cost["client_s"]
+
+
 def _finish(method: Method, state: GlobalState, transport: Transport, round_cfg: dict[str, Any], cfg: RunConfig,
             book: dict[str, Any]) -> GlobalState:
     """The method's finishing round on the kept model: a share of the clients answer a features-only
@@ -303,13 +314,7 @@ def _finish(method: Method, state: GlobalState, transport: Transport, round_cfg:
     ids = select_clients(transport.num_clients, round_cfg["clients_frac"], cfg.seed, round_cfg["round"])
     payload = method.broadcast(state)
     results, cost = transport.train(ids, payload, round_cfg)
-    comm = book["communication"]
-    comm["downlink_bytes"] += cost["downlink_bytes"]
-    comm["uplink_bytes"] += cost["uplink_bytes"]
-    for key in ("wire_uplink_bytes", "wire_downlink_bytes"):
-        if key in cost:
-            comm[key] = comm.get(key, 0) + cost[key]
-    book["timing"]["client_s"] += cost["client_s"]
+    _charge(book, cost)
     t0 = time.perf_counter()
     state = method.server_finish(state, results, round_cfg["round"])
     own = {"client_s": cost["client_s"], "server_s": time.perf_counter() - t0}
@@ -364,19 +369,13 @@ def _calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Ru
     members: set[int] | None = None
     counts = None
     params = cal.params()
-    comm = book["communication"]
     dropped: set[int] = set()
     while params is not None:
         scale, bias = params
         round_cfg = {"round": round_id, "seed": cfg.seed, "calibrate": cfg.calibration, "scale": scale,
                      "bias": None if bias is None else [float(v) for v in bias]}
         results, cost = transport.train(ids, payload, round_cfg)
-        comm["downlink_bytes"] += cost["downlink_bytes"]
-        comm["uplink_bytes"] += cost["uplink_bytes"]
-        for key in ("wire_uplink_bytes", "wire_downlink_bytes"):
-            if key in cost:
-                comm[key] = comm.get(key, 0) + cost[key]
-        book["timing"]["client_s"] += cost["client_s"]
+        _charge(book, cost)
         good = {}
         for r in results:
             why = calibration_problem(r, C, n_params)
