@@ -248,6 +248,10 @@ class FlowerTransport(Transport):
             cost["uplink_bytes"] += tensor_bytes(res.weights) + tensor_bytes(res.extras)
             cost["wire_uplink_bytes"] += sum(r.count_bytes() for r in rep.content.values())
             results.append(res)
+        # replies come in arrival order; aggregation sums in list order, so order them as selected (as in-process):
+        # the same answers give the same model whatever order the nodes finished in
+        order = {k: i for i, k in enumerate(ids)}
+        results.sort(key=lambda res: order.get(res.client_id, len(order)))
         lost = [n for n in nodes if n not in answered]
         if lost:
             log.warning("round %s: node(s) %s did not answer within %.0f s; the round goes on without them",

@@ -92,7 +92,7 @@ def _yaml(path, cfg: dict):
 def test_loopback_deployment_gtafl_exports_and_survives_a_killed_node(tmp_path):
     """SuperLink + 3 SuperNodes as processes; node 2 is killed after round 1: round 2 goes on with the
     other two, and the saved model exports."""
-    base = {**_cfg("gtafl").to_dict(), "flower_timeout": 20.0, "flower_wait_s": 60.0}
+    base = {**_cfg("gtafl").to_dict(), "flower_timeout": 60.0, "flower_wait_s": 90.0}
     cfg_file = _yaml(tmp_path / "cfg.yaml", base)
     with LocalFederation(3, tmp_path / "flwr") as fed:
         out = tmp_path / "run"
