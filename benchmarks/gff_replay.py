@@ -36,7 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tafl.packaging.preprocess import Preprocess  # noqa: E402
+from tafl.imaging import Preprocess  # noqa: E402
 from tafl.training.config import RunConfig  # noqa: E402
 from tafl.training.ensemble import ExpertEnsemble  # noqa: E402
 from tafl.training.evaluate import evaluate_outputs  # noqa: E402

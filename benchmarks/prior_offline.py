@@ -75,7 +75,7 @@ def main() -> None:
             cfg.data_root = a.data_root
         cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
         ds = load_dataset(cfg.validate())
-        from tafl.packaging.preprocess import Preprocess
+        from tafl.imaging import Preprocess
 
         method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
         state = GlobalState.from_dict(ck["state"])

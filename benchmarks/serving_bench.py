@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tafl.packaging import load_package  # noqa: E402
-from tafl.serving.decode import decode_image  # noqa: E402
+from tafl.imaging import decode_image  # noqa: E402
 from tafl.serving.launch import ServerProcess  # noqa: E402
 
 N_REQUESTS = 400

@@ -213,7 +213,7 @@ class LocalScorer:
         self.meta, self.batch_size = self.pkg.metadata, batch_size
 
     def score(self, paths: list[Path], rel: Callable[[Path], str]) -> Iterator[Row]:
-        from tafl.serving.decode import decode_image
+        from tafl.imaging import decode_image
 
         names, experts = self.pkg.class_names, self.pkg.expert_names
         pre = self.pkg.preprocess

@@ -2,6 +2,6 @@
 spec that training, export and serving share. The loader needs no torch; export does."""
 
 from tafl.packaging.package import ModelPackage, list_packages, load_package
-from tafl.packaging.preprocess import Preprocess
+from tafl.imaging import Preprocess
 
 __all__ = ["ModelPackage", "Preprocess", "list_packages", "load_package"]

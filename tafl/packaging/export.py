@@ -29,7 +29,7 @@ import tafl
 from tafl.errors import PackageError
 from tafl.packaging.card import render_card
 from tafl.packaging.package import (SCHEMA, ModelPackage, bump_minor, load_package, sha256_file, write_checksums)
-from tafl.packaging.preprocess import Preprocess
+from tafl.imaging import Preprocess
 from tafl.training.ensemble import ExpertEnsemble, vote_weights
 from tafl.training.explain import _to_image, install_taps, rollout_from, vit_grid
 from tafl.training.models import Classifier, ModelConfig, build_model

@@ -13,7 +13,6 @@ incomplete package with a `PackageError` that names the problem.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from tafl.errors import PackageError
-from tafl.packaging.preprocess import Preprocess
+from tafl.files import sha256_file
+from tafl.imaging import Preprocess
 
 SCHEMA = "tafl-model-package/1"
 REQUIRED_FILES = ("model.onnx", "metadata.json", "README.md")
@@ -38,14 +38,6 @@ METADATA_FIELDS: dict[str, tuple[type, ...]] = {
     "training": (dict,), "data_provenance": (dict,), "metrics": (dict, type(None)), "intended_use": (str,),
     "limitations": (list,),
 }
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_checksums(folder: Path, names: list[str]) -> None:

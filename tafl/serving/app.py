@@ -30,8 +30,8 @@ from starlette.routing import Route
 
 from tafl.errors import (BadRequest, ConfigError, PackageError, PayloadTooLarge, ServiceError, ServiceUnavailable,
                          TaflError, Unauthorized, UnsupportedMedia)
-from tafl.packaging.heatmap import overlay, png_bytes
-from tafl.serving.decode import decode_image
+from tafl.imaging.heatmap import overlay, png_bytes
+from tafl.imaging import decode_image
 from tafl.serving.multipart import parse_simple
 from tafl.serving.runtime import LoadedModel, ModelRegistry
 

@@ -35,6 +35,9 @@ class RunConfig:
     label_column: str = "label"  # folder: CSV column holding the class name
     group_column: str | None = None  # folder: CSV column whose groups never straddle two splits (lesion_id)
     image_dir: str | None = None  # folder: where the images lie (default: data_root/images if present, else data_root)
+    # folder: a multi-frame DICOM gives one sample per frame (each; the frames of one file stay in one split) or is
+    # refused with a message naming it (refuse)
+    folder_frames: str = "each"
     download: bool = False  # MedMNIST: download the npz when it is missing (needs a network)
     val_fraction: float = 0.15  # digits/folder: share of the data held out for validation
     test_fraction: float = 0.2  # digits/folder: share of the data held out for testing
@@ -258,6 +261,8 @@ class RunConfig:
             raise bad("dafl_lambda", "must be in [0, 1]")
         if not 0 <= self.gamma_init <= self.gamma_max:
             raise bad("gamma_init", f"must be in [0, gamma_max={self.gamma_max}]")
+        if self.folder_frames not in ("each", "refuse"):
+            raise bad("folder_frames", "choose each or refuse")
         if self.calibration not in ("none", "temperature", "bcts"):
             raise bad("calibration", "choose none, temperature or bcts")
         if not 0 <= self.calib_holdout < 0.5:

@@ -3,9 +3,11 @@
 Three sources: scikit-learn's digits (the embedded default, real and shipped), MedMNIST by flag
 through the `medmnist` package (a `<flag>.npz` in `data_root`, downloaded only when asked), and
 an image folder with a labels CSV (the HAM10000 layout: an image-id column, a label column and an
-optional group column whose groups never straddle two splits). Every split is held once, as
-uint8 (N, H, W, C) already at the run's side and channel count, produced by the shared
-`Preprocess.to_uint8`; normalisation happens per batch.
+optional group column whose groups never straddle two splits). Folder files (PNG, JPEG, BMP, TIFF
+or DICOM, a multi-frame DICOM giving one sample per frame) are read by `tafl.imaging.decode_file`,
+the service's own decoder, so a file is the same model input at training and at serving time.
+Every split is held once, as uint8 (N, H, W, C) already at the run's side and channel count,
+produced by the shared `Preprocess.to_uint8`; normalisation happens per batch.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from tafl.errors import DataError
-from tafl.packaging.package import sha256_file
-from tafl.packaging.preprocess import Preprocess
+from tafl.files import sha256_file
+from tafl.imaging import Preprocess, decode_file
 from tafl.training.config import RunConfig
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".dcm", ".dicom")
+# bump when the decoding of folder files changes, so caches of the old decoding are not reused
+DECODER_VERSION = "imaging-1"
 
 
 @dataclass
@@ -180,29 +183,42 @@ def _load_folder(cfg: RunConfig):
     csv_sha = sha256_file(csv_path)
     side = cfg.img_size or 64
     channels = cfg.channels or 3
-    cache = _cache_path(cfg, f"{csv_sha}:{image_dir.resolve()}:{side}:{channels}")
+    cache = _cache_path(cfg, f"{csv_sha}:{image_dir.resolve()}:{side}:{channels}:{cfg.folder_frames}:{DECODER_VERSION}")
     if cache is not None and cache.is_file():
         with np.load(cache) as z:
-            images = z["images"]
+            images, rows = z["images"], z["rows"]
         log.info("loaded %d decoded images from cache %s", len(images), cache)
     else:
-        pre = Preprocess(size=side, channels=channels, mean=(0.0,) * channels, std=(1.0,) * channels)
-        images = np.empty((len(files), side, side, channels), np.uint8)
-        for i, f in enumerate(files):
-            try:
-                with Image.open(f) as im:
-                    images[i] = pre.to_uint8(im)
-            except (UnidentifiedImageError, OSError, ValueError) as exc:
-                raise DataError(f"cannot read image {f}: {exc}") from exc
+        images, rows = read_folder_images(files, side, channels, cfg.folder_frames)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_suffix(".tmp.npz")
-            np.savez(tmp, images=images)
+            np.savez(tmp, images=images, rows=rows)
             os.replace(tmp, cache)
+    if len(rows) != len(ids):  # multi-frame files: one sample per frame, all frames of a file in one split
+        per_file = np.bincount(rows, minlength=len(ids))
+        frame_no = np.concatenate([np.arange(n) for n in per_file])
+        if groups is None:
+            groups = ids.copy()
+        ids = np.array([f"{ids[r]}#{k}" if per_file[r] > 1 else ids[r] for r, k in zip(rows, frame_no)])
+        labels, groups = labels[rows], groups[rows]
     splits = _split(images, labels, ids, groups, cfg)
     prov = {"source": "folder", "labels_csv": str(csv_path), "sha256": csv_sha, "image_dir": str(image_dir),
             "n_images": int(len(ids))}
     return splits, class_names, channels, prov
+
+
+def read_folder_images(files: list[Path], side: int, channels: int, frames: str = "each"
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Every file through the service's decoder and the shared preprocessing: uint8 (N, side, side, channels)
+    and, per sample, the index of the file it came from (a multi-frame DICOM gives several)."""
+    pre = Preprocess(size=side, channels=channels, mean=(0.0,) * channels, std=(1.0,) * channels)
+    images, rows = [], []
+    for i, f in enumerate(files):
+        for frame in decode_file(f, frames=frames).frames:
+            images.append(pre.to_uint8(frame))
+            rows.append(i)
+    return (np.stack(images) if images else np.empty((0, side, side, channels), np.uint8)), np.asarray(rows, np.int64)
 
 
 def _read_csv(path: Path, cfg: RunConfig) -> list[tuple[str, str, str]]:

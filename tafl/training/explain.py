@@ -122,8 +122,8 @@ def explain_checkpoint(checkpoint: str | Path, image: str | Path, out: str | Pat
     from PIL import Image
 
     from tafl.errors import ConfigError, DataError
-    from tafl.packaging.heatmap import overlay
-    from tafl.packaging.preprocess import Preprocess
+    from tafl.imaging.heatmap import overlay
+    from tafl.imaging import Preprocess
     from tafl.training.checkpoint import load_checkpoint
     from tafl.training.methods import GlobalState
     from tafl.training.models import ModelConfig, build_model

@@ -59,7 +59,7 @@ _NODE_CACHE: dict[tuple, tuple[Any, ClientData]] = {}
 
 def _client(content, context) -> tuple[Any, ClientData]:
     """The method and this node's data, rebuilt from the server's configuration (cached per process)."""
-    from tafl.packaging.preprocess import Preprocess
+    from tafl.imaging import Preprocess
     from tafl.training.data import load_dataset
     from tafl.training.models import ModelConfig
     from tafl.training.simulator import make_method, prepare

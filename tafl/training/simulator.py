@@ -154,7 +154,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
     prep = prepare(cfg)
     ds = prep.dataset
     if init_from is not None:
-        from tafl.packaging.preprocess import Preprocess
+        from tafl.imaging import Preprocess
 
         _check_compatible(init_from, prep)
         ds.preprocess = Preprocess.from_dict(init_from["preprocess"])  # the model learned this normalisation
@@ -523,7 +523,7 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
     if list(ds.class_names) != list(ck["class_names"]):
         raise CheckpointError(f"the checkpoint's classes {ck['class_names']} differ from the dataset's "
                               f"{ds.class_names}")
-    from tafl.packaging.preprocess import Preprocess
+    from tafl.imaging import Preprocess
 
     pre = Preprocess.from_dict(ck["preprocess"])
     if ds.test.images.shape[1:] != (pre.size, pre.size, pre.channels):

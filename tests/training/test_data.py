@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from tafl.errors import DataError
-from tafl.packaging.preprocess import Preprocess
+from tafl.imaging import Preprocess
 from tafl.training.config import RunConfig
 from tafl.training.data import load_dataset
 from tests.conftest import shared

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tafl.packaging.preprocess import Preprocess
+from tafl.imaging import Preprocess
 from tafl.training.config import RunConfig
 from tafl.training.models import Classifier, ModelConfig, build_model
 

@@ -1,4 +1,5 @@
-"""Uploaded bytes become 8-bit frames for the model's preprocessing (the service's first step).
+"""File bytes become 8-bit frames for the model's preprocessing: the first step of every image path
+(the service's uploads, in-process folder scoring and the training folder dataset alike).
 
 `decode_image` accepts DICOM (with or without the 128-byte preamble), PNG and JPEG, sniffed by
 their magic bytes, never by a file name or a client's Content-Type. Every failure a client can
@@ -23,6 +24,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from io import BytesIO
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,8 @@ from pydicom.pixels import (apply_color_lut, apply_modality_lut, apply_voi_lut, 
                             convert_color_space, get_decoder)
 from pydicom.uid import UID, ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
-from tafl.errors import BadRequest, PayloadTooLarge, ServiceError, UnprocessableImage, UnsupportedMedia
+from tafl.errors import BadRequest, DataError, PayloadTooLarge, ServiceError, UnprocessableImage, UnsupportedMedia
+from tafl.imaging.pixels import minmax_u8, pil_to_uint8
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +59,14 @@ class DecodedImage:
     info: dict[str, Any] = field(default_factory=dict)  # technical, non-identifying facts only
 
 
+# The raster formats a training folder may also hold (the service takes DICOM, PNG and JPEG only).
+FOLDER_RASTERS = {"bmp": (b"BM",), "tiff": (b"II*\x00", b"MM\x00*")}
+
+
 def decode_image(data: bytes, *, max_bytes: int = 50 * 2**20, max_pixels: int = 50_000_000,
-                 max_frames: int = 64) -> DecodedImage:
-    """Decode an uploaded DICOM, PNG or JPEG file into uint8 frames, or raise a 4xx ServiceError."""
+                 max_frames: int = 64, extra_rasters: tuple[str, ...] = ()) -> DecodedImage:
+    """Decode a DICOM, PNG or JPEG file (and any of `extra_rasters`, names of FOLDER_RASTERS) into uint8
+    frames, or raise a 4xx ServiceError."""
     if not data:
         raise BadRequest("the uploaded file is empty: choose a DICOM, PNG or JPEG image and send it again")
     if len(data) > max_bytes:
@@ -70,7 +78,32 @@ def decode_image(data: bytes, *, max_bytes: int = 50 * 2**20, max_pixels: int = 
         return _decode_raster(data, "jpeg", max_pixels)
     if data[128:132] == b"DICM" or _looks_like_bare_dataset(data):
         return _decode_dicom(data, max_pixels, max_frames)
+    for kind in extra_rasters:
+        if data.startswith(FOLDER_RASTERS[kind]):
+            return _decode_raster(data, kind, max_pixels)
     raise UnsupportedMedia(f"the upload is {_describe(data)}, which this service cannot read: {ACCEPTED}")
+
+
+def decode_file(path: str | Path, *, max_bytes: int = 512 * 2**20, max_pixels: int = 200_000_000,
+                max_frames: int = 4096, frames: str = "each") -> DecodedImage:
+    """A training image file (DICOM, PNG, JPEG, BMP or TIFF) through the same decoder as an upload.
+
+    `frames`: "each" keeps every frame of a multi-frame file (one sample per frame), "refuse" makes a
+    multi-frame file an error. Any failure is a DataError that names the file and says why."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read image {path}: {exc.strerror or exc}") from exc
+    try:
+        decoded = decode_image(data, max_bytes=max_bytes, max_pixels=max_pixels, max_frames=max_frames,
+                               extra_rasters=tuple(FOLDER_RASTERS))
+    except ServiceError as exc:
+        raise DataError(f"cannot read image {path}: {exc}") from exc
+    if frames == "refuse" and len(decoded.frames) > 1:
+        raise DataError(f"{path} is a multi-frame image ({len(decoded.frames)} frames) and frames='refuse': "
+                        "export one frame per file, or set frames: each to train on every frame")
+    return decoded
 
 
 # --------------------------------------------------------------------------- sniffing
@@ -112,7 +145,7 @@ def _describe(data: bytes) -> str:
 
 
 def _decode_raster(data: bytes, kind: str, max_pixels: int) -> DecodedImage:
-    name = kind.upper()
+    name = {"tiff": "TIFF", "bmp": "BMP"}.get(kind, kind.upper())
     corrupt = UnprocessableImage(f"the {name} file is truncated or corrupt: save or export it again and resend it")
     try:
         im = Image.open(BytesIO(data), formats=[name])  # lazy: reads the header only
@@ -136,30 +169,13 @@ def _decode_raster(data: bytes, kind: str, max_pixels: int) -> DecodedImage:
     except Exception:
         orientation = 1
     try:
-        frame = _pil_to_uint8(im)
+        frame = pil_to_uint8(im)
     except Exception:
         raise corrupt from None
     info = {"mode": im.mode, "width": frame.shape[1], "height": frame.shape[0], "frames": 1}
     if orientation != 1:
         info["exif_orientation"] = orientation
     return DecodedImage(frames=[frame], kind=kind, info=info)
-
-
-def _pil_to_uint8(im: Image.Image) -> np.ndarray:
-    """Any Pillow mode becomes uint8 grey (H, W) or RGB (H, W, 3); alpha is composited on black."""
-    mode = im.mode
-    if mode in ("1", "L"):
-        return np.asarray(im.convert("L"), dtype=np.uint8)
-    if mode.startswith("I") or mode == "F":  # 16/32-bit grey and float: min-max
-        return _minmax_u8(np.asarray(im).astype(np.float32))
-    if mode in ("LA", "La"):
-        arr = np.asarray(im.convert("LA"), dtype=np.float64)
-        return np.rint(arr[..., 0] * arr[..., 1] / 255.0).astype(np.uint8)
-    if mode == "RGB":
-        return np.asarray(im, dtype=np.uint8)
-    # P, PA, RGBA, RGBa, CMYK, YCbCr, LAB, HSV, ...: through RGBA, then onto black.
-    arr = np.asarray(im.convert("RGBA"), dtype=np.float64)
-    return np.rint(arr[..., :3] * arr[..., 3:4] / 255.0).astype(np.uint8)
 
 
 # --------------------------------------------------------------------------- DICOM
@@ -265,7 +281,7 @@ def _render_grey(arr: np.ndarray, ds: pydicom.Dataset, *, invert: bool) -> tuple
             windowing = "VOI LUT" if ds.get("VOILUTSequence") else "window centre/width"
         except Exception:  # a broken window should not reject the image: fall back to min-max
             log.debug("VOI LUT / window unusable, using min-max")
-    out = np.stack([_minmax_u8(np.asarray(f, dtype=np.float32)) for f in values])
+    out = np.stack([minmax_u8(np.asarray(f, dtype=np.float32)) for f in values])
     return (255 - out if invert else out), windowing
 
 
@@ -290,20 +306,11 @@ def _scale_colour(arr: np.ndarray, bits: int) -> np.ndarray:
     values = np.nan_to_num(arr.astype(np.float32))  # float32 is plenty for an 8-bit result
     top = float(2 ** max(1, min(bits, 32)) - 1)
     if values.min() < 0 or values.max() > top:
-        return _minmax_u8(values)
+        return minmax_u8(values)
     return np.clip(np.rint(values * (255.0 / top)), 0, 255).astype(np.uint8)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _minmax_u8(values: np.ndarray) -> np.ndarray:
-    """Stretch [min, max] to [0, 255]; a constant (or all-NaN) frame becomes zeros."""
-    values = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-    lo, hi = float(values.min()), float(values.max())
-    if hi <= lo:
-        return np.zeros(values.shape, dtype=np.uint8)
-    return np.clip(np.rint((values - lo) * (255.0 / (hi - lo))), 0, 255).astype(np.uint8)
 
 
 def _check_side(width: int, height: int) -> None:

@@ -20,7 +20,7 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
 
 from tafl.errors import ServiceError
-from tafl.serving.decode import DecodedImage, decode_image
+from tafl.imaging import DecodedImage, decode_image
 from tests.conftest import SHARED_DATA, shared
 
 SHARED_DICOM = SHARED_DATA / "dicom"

@@ -1,7 +1,7 @@
 """The one preprocessing callable shared by training, export and serving.
 
-An image (a PIL image or a uint8 array, grey or colour, any size) becomes a uint8 array of the
-model's side and channel count (`to_uint8`), and a uint8 batch becomes the normalised float
+An image (a decoded uint8 frame, any array, or a PIL image; grey or colour, any size) becomes a
+uint8 array of the model's side and channel count (`to_uint8`), and a uint8 batch becomes the normalised float
 batch the network takes (`normalize`). Training stores its data after `to_uint8` and normalises
 each batch with the same formula; the model package records the spec in `metadata.json` and the
 service calls this code, so no component re-implements it. NumPy and Pillow only: serving must
@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from tafl.imaging.pixels import minmax_u8, pil_to_uint8
 
 _RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
              "nearest": Image.Resampling.NEAREST}
@@ -41,15 +43,13 @@ class Preprocess:
 
     # -- image -> uint8 (size, size, channels) --
     def to_uint8(self, image: Image.Image | np.ndarray) -> np.ndarray:
-        pil = image if isinstance(image, Image.Image) else _array_to_pil(image)
+        """Alpha is composited on black and deeper-than-8-bit grey is min-max stretched (tafl.imaging.pixels),
+        exactly as the decoder does for files, then grey/RGB conversion and the resize."""
+        frame = pil_to_uint8(image) if isinstance(image, Image.Image) else _array_to_uint8(image)
+        pil = Image.fromarray(frame, "L" if frame.ndim == 2 else "RGB")
         mode = "L" if self.channels == 1 else "RGB"
         if pil.mode != mode:
-            if pil.mode in ("RGBA", "LA", "P", "PA"):
-                pil = pil.convert("RGBA").convert(mode)  # composite palette/alpha before dropping it
-            elif pil.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-                pil = Image.fromarray(_stretch_to_uint8(np.asarray(pil))).convert(mode)
-            else:
-                pil = pil.convert(mode)
+            pil = pil.convert(mode)
         if pil.size != (self.size, self.size):
             pil = pil.resize((self.size, self.size), _RESAMPLE[self.resample])
         arr = np.asarray(pil, dtype=np.uint8)
@@ -84,25 +84,16 @@ class Preprocess:
                    resize=d.get("resize", "squash"))
 
 
-def _stretch_to_uint8(a: np.ndarray) -> np.ndarray:
-    """Min-max stretch of a non-uint8 image to 0..255 (constant images become 0)."""
-    a = a.astype(np.float64)
-    lo, hi = float(np.nanmin(a)), float(np.nanmax(a))
-    if not np.isfinite(lo) or not np.isfinite(hi) or hi <= lo:
-        return np.zeros(a.shape, np.uint8)
-    return np.clip(np.round((a - lo) * (255.0 / (hi - lo))), 0, 255).astype(np.uint8)
-
-
-def _array_to_pil(a: np.ndarray) -> Image.Image:
+def _array_to_uint8(a: np.ndarray) -> np.ndarray:
+    """An image array becomes uint8 (H, W) grey or (H, W, 3) RGB: non-uint8 values are min-max stretched,
+    a fourth (alpha) channel is composited on black."""
     a = np.asarray(a)
-    if a.dtype != np.uint8:
-        a = _stretch_to_uint8(a)
     if a.ndim == 3 and a.shape[2] == 1:
         a = a[:, :, 0]
-    if a.ndim == 2:
-        return Image.fromarray(a, "L")
-    if a.ndim == 3 and a.shape[2] == 3:
-        return Image.fromarray(a, "RGB")
+    if not (a.ndim == 2 or (a.ndim == 3 and a.shape[2] in (3, 4))):
+        raise ValueError(f"expected an image array of shape (H, W), (H, W, 1), (H, W, 3) or (H, W, 4), got {a.shape}")
+    if a.dtype != np.uint8:
+        a = minmax_u8(a)
     if a.ndim == 3 and a.shape[2] == 4:
-        return Image.fromarray(a, "RGBA")
-    raise ValueError(f"expected an image array of shape (H, W), (H, W, 1), (H, W, 3) or (H, W, 4), got {a.shape}")
+        return pil_to_uint8(Image.fromarray(a, "RGBA"))
+    return a
