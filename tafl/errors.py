@@ -17,7 +17,8 @@ Third-party errors are wrapped at the boundary (``raise DataError(...) from exc`
         ├── PayloadTooLarge      413
         ├── UnsupportedMedia     415
         ├── UnprocessableImage   422
-        └── ServiceUnavailable   503
+        ├── ServiceUnavailable   503
+        └── ServiceCallError     a client's call that failed: the status the service answered (0: no answer)
 """
 
 from __future__ import annotations
@@ -83,3 +84,13 @@ class UnprocessableImage(ServiceError):
 
 class ServiceUnavailable(ServiceError):
     status = 503
+
+
+class ServiceCallError(ServiceError):
+    """A call to the service failed (raised by `tafl.clients`): `status` is the HTTP status the service answered,
+    0 when no answer came; `code` the service's error code, `detail` its message, `request_id` its X-Request-ID."""
+
+    def __init__(self, status: int, message: str, code: str = "", request_id: str | None = None):
+        super().__init__(f"{status or 'no answer'}: {message}")
+        self.status, self.code, self.request_id = status, code, request_id
+        self.detail = message

@@ -20,21 +20,12 @@ from typing import Any, NoReturn
 
 import httpx
 
-from tafl.errors import TaflError
+from tafl.errors import ServiceCallError  # defined in the one exception tree; re-exported here
 
 RETRY_STATUS = {502, 503, 504}
 # connection failures worth another attempt (a restarting or briefly overloaded service)
 RETRY_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
                 httpx.ConnectTimeout, httpx.PoolTimeout)
-
-
-class ServiceCallError(TaflError):
-    """A call to the service failed: `status` is the HTTP status (0 when no answer came)."""
-
-    def __init__(self, status: int, message: str, code: str = "", request_id: str | None = None):
-        super().__init__(f"{status or 'no answer'}: {message}")
-        self.status, self.code, self.request_id = status, code, request_id
-        self.detail = message
 
 
 @dataclass(frozen=True)
@@ -156,6 +147,31 @@ class _Base:
             fields["posteriors"] = "true"
         return {"file": (name, data, "application/octet-stream")}, fields
 
+    @staticmethod
+    def _batch_form(images: list[str | Path | bytes], model: str | None, prior: str | None,
+                    posteriors: bool) -> tuple[list, dict[str, str] | None]:
+        files = [("file", (name, data, "application/octet-stream")) for name, data in map(_payload, images)]
+        data = {k: v for k, v in (("model", model), ("prior", prior),
+                                  ("posteriors", "true" if posteriors else None)) if v}
+        return files, data or None
+
+    @staticmethod
+    def _batch_results(body: dict[str, Any]) -> list[Prediction | ServiceCallError]:
+        out: list[Prediction | ServiceCallError] = []
+        for item in body["results"]:
+            if "error" in item:
+                e = item["error"]
+                out.append(ServiceCallError(e["status"], e["message"], e.get("code", ""), body.get("request_id")))
+            else:
+                out.append(Prediction.from_json({**item, "model": body["model"], "request_id": body["request_id"],
+                                                 "prior": body.get("prior")}))
+        return out
+
+    @staticmethod
+    def _reload_args(package: str, admin_token: str | None) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        return {"json": {"package": package}, "headers": headers}
+
 
 class Client(_Base):
     def __init__(self, url: str, **kw: Any):
@@ -189,19 +205,8 @@ class Client(_Base):
         """One request for several images; each comes back as a Prediction or the error for that image.
         `prior`: train (default), adaptive, or comma-separated class probabilities; `posteriors`: also return
         each image's calibrated probabilities."""
-        files = [("file", (name, data, "application/octet-stream")) for name, data in map(_payload, images)]
-        data = {k: v for k, v in (("model", model), ("prior", prior),
-                                  ("posteriors", "true" if posteriors else None)) if v}
-        body = self._call("POST", "/predict/batch", files=files, data=data or None).json()
-        out: list[Prediction | ServiceCallError] = []
-        for item in body["results"]:
-            if "error" in item:
-                e = item["error"]
-                out.append(ServiceCallError(e["status"], e["message"], e.get("code", ""), body.get("request_id")))
-            else:
-                out.append(Prediction.from_json({**item, "model": body["model"], "request_id": body["request_id"],
-                                                 "prior": body.get("prior")}))
-        return out
+        files, data = self._batch_form(images, model, prior, posteriors)
+        return self._batch_results(self._call("POST", "/predict/batch", files=files, data=data).json())
 
     def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:
         files, data = self._form(image, model, False)
@@ -218,8 +223,8 @@ class Client(_Base):
             return False
 
     def reload(self, package: str, *, admin_token: str | None = None) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        return self._call("POST", "/admin/reload", json={"package": package}, headers=headers).json()
+        """Swap in a new package version on the service (POST /admin/reload with the admin token)."""
+        return self._call("POST", "/admin/reload", **self._reload_args(package, admin_token)).json()
 
     def close(self) -> None:
         self.http.close()
@@ -253,20 +258,40 @@ class AsyncClient(_Base):
 
     async def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
                       prior: str | None = None, posteriors: bool = False) -> Prediction:
+        """As `Client.predict`."""
         files, data = self._form(image, model, heatmap, prior, posteriors)
         return Prediction.from_json((await self._call("POST", "/predict", files=files, data=data)).json())
+
+    async def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None,
+                            prior: str | None = None, posteriors: bool = False) -> list[Prediction | ServiceCallError]:
+        """As `Client.predict_batch`: one request, each image's Prediction or its error, in order."""
+        files, data = self._batch_form(images, model, prior, posteriors)
+        return self._batch_results((await self._call("POST", "/predict/batch", files=files, data=data)).json())
+
+    async def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:
+        files, data = self._form(image, model, False)
+        return (await self._call("POST", "/heatmap", files=files, data=data)).content
 
     async def models(self) -> list[dict[str, Any]]:
         return (await self._call("GET", "/models")).json()["models"]
 
     async def health(self) -> bool:
+        """True when the service answers /readyz with 200 (no retries)."""
         try:
             return (await self.http.get(self.url + "/readyz", timeout=5)).status_code == 200
         except httpx.HTTPError:
             return False
 
+    async def reload(self, package: str, *, admin_token: str | None = None) -> dict[str, Any]:
+        """As `Client.reload`."""
+        return (await self._call("POST", "/admin/reload", **self._reload_args(package, admin_token))).json()
+
     async def aclose(self) -> None:
         await self.http.aclose()
+
+    async def close(self) -> None:
+        """The same as `aclose` (httpx's name), under `Client`'s name."""
+        await self.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self

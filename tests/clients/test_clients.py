@@ -80,6 +80,73 @@ def test_unreadable_file_is_a_clear_error(tmp_path):
         Client("http://127.0.0.1:9").predict(tmp_path / "missing.png")
 
 
+def test_the_readme_api_imports_from_tafl_clients():
+    import tafl.clients.client
+    from tafl.clients import AsyncClient, Client as C, ServiceCallError as E
+    from tafl.errors import ServiceCallError as TreeError, ServiceError, TaflError
+
+    assert C is Client and E is ServiceCallError is TreeError is tafl.clients.client.ServiceCallError
+    assert issubclass(E, ServiceError) and issubclass(E, TaflError)
+    err = E(415, "not an image", "UnsupportedMedia", "rid")
+    assert err.status == 415 and err.detail == "not an image" and err.message == "415: not an image"
+    assert E(0, "down").message == "no answer: down"
+    assert AsyncClient.__module__ == "tafl.clients.client"
+
+
+def test_async_client_offers_every_call_of_client():
+    import inspect
+
+    from tafl.clients import AsyncClient
+
+    public = [n for n, f in inspect.getmembers(Client, inspect.isfunction) if not n.startswith("_")]
+    assert {"predict", "predict_batch", "heatmap", "models", "health", "reload", "close"} <= set(public)
+    for name in public:
+        twin = getattr(AsyncClient, name, None)
+        assert twin is not None and inspect.iscoroutinefunction(twin), f"AsyncClient has no async {name}"
+        assert list(inspect.signature(twin).parameters.values()) == \
+            list(inspect.signature(getattr(Client, name)).parameters.values()), name
+
+
+def test_async_client_batch_heatmap_and_reload_behave_as_the_sync_one():
+    import asyncio
+
+    from tafl.clients import AsyncClient
+
+    seen = []
+
+    def handler(request):
+        seen.append((request.method, request.url.path, request.headers.get("Authorization")))
+        if request.url.path == "/predict/batch":
+            item = {k: v for k, v in _ok_body().items() if k not in ("model", "request_id")}
+            return httpx.Response(200, json={"model": _ok_body()["model"], "request_id": "b", "results": [
+                item, {"index": 1, "error": {"status": 415, "code": "UnsupportedMedia", "message": "not an image"}}]})
+        if request.url.path == "/heatmap":
+            return httpx.Response(200, content=b"\x89PNGfake", headers={"content-type": "image/png"})
+        if request.url.path == "/admin/reload":
+            if request.headers.get("Authorization") != "Bearer adm":
+                return httpx.Response(401, json={"error": {"message": "wrong admin token", "code": "Unauthorized"}})
+            return httpx.Response(200, json={"model": "m", "version": "1.1.0", "previous_version": "1.0.0"})
+        return httpx.Response(404)
+
+    async def go():
+        async with AsyncClient("http://svc", backoff=0.001) as c:
+            await c.http.aclose()
+            c.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+            many = await c.predict_batch([b"a", b"b"], prior="adaptive")
+            png = await c.heatmap(b"a")
+            res = await c.reload("pkg", admin_token="adm")
+            with pytest.raises(ServiceCallError) as e:
+                await c.reload("pkg", admin_token="wrong")
+            return many, png, res, e.value
+
+    many, png, res, err = asyncio.run(go())
+    assert isinstance(many[0], Prediction) and many[0].request_id == "b" and many[0].class_name == "b"
+    assert isinstance(many[1], ServiceCallError) and many[1].status == 415 and many[1].request_id == "b"
+    assert png.startswith(b"\x89PNG") and res["version"] == "1.1.0"
+    assert err.status == 401 and err.code == "Unauthorized"
+    assert ("POST", "/admin/reload", "Bearer adm") in seen and len(seen) == 4  # no retry on 401
+
+
 # ------------------------------------------------------------------ against the real service
 pytestmark = pytest.mark.slow
 
