@@ -18,15 +18,15 @@ from typing import Any
 import yaml
 
 from tafl.errors import ConfigError
+from tafl.training.methods import method_names  # the one registry; importing it loads no method (nor torch)
 
-METHODS = ("fedavg", "fedprox", "creff", "gtafl", "dafl")
 PARTITIONS = ("equal", "dirichlet")
 
 
 @dataclass
 class RunConfig:
     # --- what to train ---
-    method: str = "fedavg"  # fedavg | fedprox | creff | gtafl | dafl
+    method: str = "fedavg"  # fedavg | fedprox | creff | gtafl | dafl (tafl.training.methods.REGISTRY)
     # --- data ---
     dataset: str = "digits"  # digits (embedded) | a MedMNIST flag (dermamnist, ...) | folder
     data_root: str | None = None  # MedMNIST: folder holding <flag>.npz; folder: the image folder's root
@@ -182,8 +182,8 @@ class RunConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"config '{key}' = {getattr(self, key)!r}: {why}")
 
-        if self.method not in METHODS:
-            raise bad("method", f"unknown method; choose one of {', '.join(METHODS)}")
+        if self.method not in method_names():
+            raise bad("method", f"unknown method; choose one of {', '.join(method_names())}")
         if self.partition not in PARTITIONS:
             raise bad("partition", f"choose one of {', '.join(PARTITIONS)}")
         if self.imbalance_factor is not None and not self.imbalance_factor >= 1:

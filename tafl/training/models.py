@@ -158,28 +158,35 @@ class Classifier(nn.Module):
         return self.head(self.features(x))  # (B, C)
 
 
-def _check_name(name: str) -> None:
-    if name in ("resnet8", "vit_tafl_tiny"):
-        return
+def _build_resnet8(cfg: ModelConfig, pretrained: bool) -> nn.Module:
+    if pretrained:
+        raise ConfigError("resnet8 has no hub weights; pass a local weights file to --pretrained")
+    return ResNet8(cfg.in_chans, cfg.width)
+
+
+# extractor builders by name, (config, hub weights?) -> extractor with `num_features`; any other name is a timm ViT
+BACKBONES: dict[str, Callable[[ModelConfig, bool], nn.Module]] = {"resnet8": _build_resnet8,
+                                                                   "vit_tafl_tiny": _build_vit}
+
+
+def _builder(name: str) -> Callable[[ModelConfig, bool], nn.Module]:
+    if name in BACKBONES:
+        return BACKBONES[name]
     import timm
 
     if not (name.startswith(("vit_", "deit", "eva", "beit")) and name in timm.list_models()):
         vits = ", ".join(timm.list_models("vit_tiny*")[:3])
-        raise ConfigError(f"unknown backbone '{name}': use resnet8, vit_tafl_tiny or a timm ViT name (e.g. {vits})")
+        raise ConfigError(f"unknown backbone '{name}': use {', '.join(BACKBONES)} or a timm ViT name (e.g. {vits})")
+    return _build_vit
 
 
 def build_model(cfg: ModelConfig, pretrained: str | None = None) -> Classifier:
     """Build the model a config describes; `pretrained` is a weights file or 'hub'."""
-    _check_name(cfg.backbone)
+    build = _builder(cfg.backbone)
     if cfg.in_chans not in (1, 3):
         raise ConfigError(f"in_chans must be 1 or 3, got {cfg.in_chans}")
     hub = pretrained == "hub"
-    if cfg.backbone == "resnet8":
-        if hub:
-            raise ConfigError("resnet8 has no hub weights; pass a local weights file to --pretrained")
-        extractor: nn.Module = ResNet8(cfg.in_chans, cfg.width)
-    else:
-        extractor = _build_vit(cfg, pretrained=hub)
+    extractor = build(cfg, hub)
     model = Classifier(extractor, int(extractor.num_features), cfg.num_classes)
     if pretrained and not hub:
         load_pretrained(model, pretrained)
@@ -215,6 +222,3 @@ def load_pretrained(model: Classifier, path: str) -> None:
     model.extractor.load_state_dict(mapped, strict=False)
     log.info("loaded %d/%d extractor tensors from %s (%d left at initialisation)", len(mapped), len(own), p,
              len(missing))
-
-
-BACKBONES: dict[str, Callable[..., Any]] = {"resnet8": ResNet8, "vit_tafl_tiny": _build_vit}

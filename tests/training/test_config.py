@@ -57,3 +57,29 @@ def test_bad_yaml_and_missing_file(tmp_path):
         load_config(f)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_methods_come_from_the_one_registry(monkeypatch):
+    import subprocess
+    import sys
+
+    from tafl.training import methods
+
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_dict({"method": "fedsgd"}).validate()
+    assert "'method' = 'fedsgd'" in str(e.value) and all(n in str(e.value) for n in methods.method_names())
+    assert set(methods.method_names()) == {"fedavg", "fedprox", "creff", "gtafl", "dafl"}
+    for name in methods.method_names():  # every registered name validates and resolves to its Method
+        assert RunConfig.from_dict({"method": name}).validate().method == name
+        assert issubclass(methods.method_class(name), methods.Method)
+    # a method added to the registry is a valid config value: config keeps no list of its own
+    monkeypatch.setitem(methods.REGISTRY, "fedsgd", ("fedavg", "FedAvg"))
+    assert RunConfig.from_dict({"method": "fedsgd"}).validate().method == "fedsgd"
+    assert methods.method_class("fedsgd") is methods.method_class("fedavg")
+    monkeypatch.delitem(methods.REGISTRY, "fedsgd")
+    with pytest.raises(ConfigError, match="choose one of fedavg, fedprox, creff, gtafl, dafl"):
+        methods.method_class("fedsgd")
+    # validating a config loads no method and no torch
+    code = ("import sys; from tafl.training.config import RunConfig; RunConfig.from_dict({'method': 'gtafl'})"
+            ".validate(); assert 'torch' not in sys.modules, 'torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -56,3 +56,27 @@ def test_pretrained_local_weights_load_into_extractor(tmp_path):
         build_model(cfg, pretrained=str(tmp_path / "bad.pt"))
     with pytest.raises(ConfigError, match="not found"):
         build_model(cfg, pretrained=str(tmp_path / "missing.pt"))
+
+
+def test_build_model_builds_from_the_backbone_registry(monkeypatch):
+    from torch import nn
+
+    from tafl.training import models
+
+    assert set(models.BACKBONES) == {"resnet8", "vit_tafl_tiny"}
+
+    class Tiny(nn.Module):
+        num_features = 4
+
+        def __init__(self, cfg):
+            super().__init__()
+            self.lin = nn.Linear(cfg.in_chans * cfg.img_size ** 2, 4)
+
+        def forward(self, x):
+            return self.lin(x.flatten(1))
+
+    monkeypatch.setitem(models.BACKBONES, "tiny_mlp", lambda cfg, hub: Tiny(cfg))
+    m = build_model(ModelConfig("tiny_mlp", num_classes=3, in_chans=1, img_size=8))
+    assert isinstance(m.extractor, Tiny) and m(torch.randn(2, 1, 8, 8)).shape == (2, 3)
+    with pytest.raises(ConfigError, match="use resnet8, vit_tafl_tiny, tiny_mlp or a timm ViT"):
+        build_model(ModelConfig("resnet9000", 3, 3, 28))
