@@ -289,8 +289,6 @@ def make_server_app(cfg: RunConfig | None = None, out: str | Path | None = None,
 def run_flower_simulation(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool = False,
                           num_cpus: int = 1) -> dict[str, Any]:
     """`tafl train --engine flower`: Flower's simulation engine (Ray) on this machine."""
-    import json as _json
-
     from flwr.simulation import run_simulation
 
     run_simulation(server_app=make_server_app(cfg, out, resume=resume, force=force), client_app=make_client_app(),
@@ -300,7 +298,7 @@ def run_flower_simulation(cfg: RunConfig, out: str | Path, *, resume: bool = Fal
     report = Path(out) / "report.json"
     if not report.is_file():
         raise ConfigError(f"the Flower simulation ended without a report in {out}; see its log above")
-    return _json.loads(report.read_text())
+    return json.loads(report.read_text())
 
 
 server_app = make_server_app()
