@@ -1,5 +1,5 @@
 """Model packages: a folder (or the same folder inside the BentoML model store) that serving loads
-without PyTorch (DESIGN.md §6).
+without PyTorch (docs/design.md §6).
 
     model.onnx      the graph: image batch in; label, probabilities, expert votes, heatmap out
     metadata.json   name, version, lineage, classes, input/output spec, vote rule, provenance, metrics

@@ -1,4 +1,4 @@
-"""The BentoML service (DESIGN.md §7): `bentoml serve tafl.serving.service:TaflService`.
+"""The BentoML service (docs/design.md §7): `bentoml serve tafl.serving.service:TaflService`.
 
 Packages come from TAFL_PACKAGES (folders or BentoML model tags, comma-separated); they are
 loaded once per worker, verified, and run in ONNX Runtime (CUDA first, CPU second). The routes

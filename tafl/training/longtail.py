@@ -1,4 +1,4 @@
-"""Long-tailed training sets, client partitions and the eleven test distributions (DESIGN.md §3).
+"""Long-tailed training sets, client partitions and the eleven test distributions (docs/design.md §3).
 
 - `class_ranks`: classes ranked by training frequency (rank 0 = most frequent; ties by index).
 - `longtail_counts` / `make_longtail`: exponential decay n_c = n_max · IF^(−rank/(C−1)).

@@ -1,4 +1,4 @@
-"""The transport-free FL step interface (DESIGN.md §2) that every method implements.
+"""The transport-free FL step interface (docs/design.md §2) that every method implements.
 
 A round, driven by the in-process simulator or by the Flower adapter alike:
 

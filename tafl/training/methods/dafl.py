@@ -1,4 +1,4 @@
-"""ViT-DAFL (DESIGN.md §5): dynamic adaptive focal loss and imbalance-aware aggregation.
+"""ViT-DAFL (docs/design.md §5): dynamic adaptive focal loss and imbalance-aware aggregation.
 
 Client k sends its class counts and c_k = mean_i (N_k − n_{k,i}) / max(n_{k,i}, 1) (the guard
 keeps a missing class from weighing 10⁶). The server computes, from the round's participants,
