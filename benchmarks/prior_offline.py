@@ -14,6 +14,7 @@ Writes benchmarks/results/<name>.{json,md}. The validation columns are in-sample
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -25,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tafl.prior import Calibration, fit_calibration  # noqa: E402
+from tafl.prior import Calibration, confusion_prior, em_prior, fit_calibration, soft_confusion  # noqa: E402
 from tafl.training.checkpoint import load_checkpoint  # noqa: E402
 from tafl.training.config import RunConfig  # noqa: E402
 from tafl.training.data import load_dataset  # noqa: E402
@@ -34,6 +35,17 @@ from tafl.training.methods import GlobalState  # noqa: E402
 from tafl.training.methods.base import ProbsAndLabel  # noqa: E402
 from tafl.training.models import ModelConfig, build_model  # noqa: E402
 from tafl.training.simulator import adaptation_accuracies, make_method  # noqa: E402
+
+
+# prior estimators: make(validation probs, validation labels, source prior) -> estimate(probs) -> prior.
+# The confusion matrix is the validation split's (a centralised stand-in for the clients' held-out sums).
+ESTIMATORS = {
+    "EM": lambda pv, yv, src: (lambda p: em_prior(p, src).prior),
+    "EM MAP 50": lambda pv, yv, src: (lambda p: em_prior(p, src, pseudo_count=50).prior),
+    "confusion": lambda pv, yv, src: (lambda p, M=soft_confusion(pv, yv, len(src)): confusion_prior(p, M, src).prior),
+    "confusion MAP 50": lambda pv, yv, src: (lambda p, M=soft_confusion(pv, yv, len(src)):
+                                             confusion_prior(p, M, src, pseudo_count=50).prior),
+}
 
 
 def candidates(method, state, ds, cfg) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray, str]]]:
@@ -65,6 +77,7 @@ def main() -> None:
     p.add_argument("--name", default="prior_offline")
     p.add_argument("--draws", type=int, default=5)
     p.add_argument("--only", default="", help="comma-separated candidate names to keep (default: all)")
+    p.add_argument("--estimators", default="", help=f"comma-separated estimators to keep (of {', '.join(ESTIMATORS)})")
     a = p.parse_args()
     rows: dict[tuple[str, str], list[dict]] = {}
     t0 = time.perf_counter()
@@ -83,18 +96,23 @@ def main() -> None:
         counts = np.asarray(ck["train_class_counts"], np.float64)
         C = len(counts)
         keep = [c.strip() for c in a.only.split(",") if c.strip()]
+        keep_est = [c.strip() for c in a.estimators.split(",") if c.strip()]
         for cand, splits in candidates(method, state, ds, cfg).items():
             if keep and not any(cand.startswith(k) for k in keep):
                 continue
             zv, _, kind = splits["val"]
             src = counts / counts.sum() if kind == "train" else np.full(C, 1.0 / C)
             cals = {"none": Calibration(source_prior=src), "BCTS on validation": fit_calibration(zv, ds.val.labels, "bcts")}
-            for cal_name, cal in cals.items():
+            for (cal_name, cal), (est_name, make_est) in itertools.product(cals.items(), ESTIMATORS.items()):
+                if keep_est and est_name not in keep_est:
+                    continue
                 entry = {"run": str(run), "temperature": cal.temperature}
+                estimate = make_est(cal.probs(zv), ds.val.labels, cal.source_prior)
                 for split, labels in (("val", ds.val.labels), ("test", ds.test.labels)):
                     z, plain, _ = splits[split]
                     probs = cal.probs(z)
-                    acc = adaptation_accuracies(probs, labels, ranks, cal.source_prior, [100, 500], a.draws, 0)
+                    acc = adaptation_accuracies(probs, labels, ranks, cal.source_prior, [100, 500], a.draws, 0,
+                                                estimate=estimate)
                     plain_acc = adaptation_accuracies(np.eye(C)[plain], labels, ranks, np.full(C, 1.0 / C), [1], 1, 0)
                     av = acc["average"]
                     gaps = [d["oracle"] - d["adaptive"]["500"]["accuracy"] for d in acc["distributions"].values()]
@@ -105,9 +123,9 @@ def main() -> None:
                                     "uniform": acc["distributions"]["uniform"]["adaptive"]["500"]["accuracy"],
                                     "backward50_100": acc["distributions"]["backward50"]["adaptive"]["100"]["accuracy"],
                                     "backward50_calibrated": acc["distributions"]["backward50"]["calibrated"]}
-                rows.setdefault((cand, cal_name), []).append(entry)
+                rows.setdefault((cand, cal_name, est_name), []).append(entry)
     out = REPO / "benchmarks" / "results"
-    (out / f"{a.name}.json").write_text(json.dumps({"runs": a.runs, "rows": {f"{k[0]} | {k[1]}": v for k, v in rows.items()},
+    (out / f"{a.name}.json").write_text(json.dumps({"runs": a.runs, "rows": {" | ".join(k): v for k, v in rows.items()},
                                                     "seconds": time.perf_counter() - t0}, indent=2))
 
     def ms(vals):
@@ -120,11 +138,11 @@ def main() -> None:
              "estimates from n unlabeled images, `oracle` the rule adapted to the true prior; `gap` the largest "
              "oracle − EM 500 over the eleven distributions.", ""]
     for split in ("val", "test"):
-        lines += [f"## {split}", "", "| posteriors | calibration | plain | calibrated | EM 100 | EM 500 | oracle | "
-                  "TV 500 | gap | B50 EM 100 | B50 calibrated |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for (cand, cal), es in rows.items():
+        lines += [f"## {split}", "", "| posteriors | calibration | estimator | plain | calibrated | est 100 | est 500 | "
+                  "oracle | TV 500 | gap | B50 est 100 | B50 calibrated |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (cand, cal, est), es in rows.items():
             g = lambda k: ms([e[split][k] for e in es])  # noqa: E731
-            lines.append(f"| {cand} | {cal} | {g('plain')} | {g('calibrated')} | {g('adaptive_100')} | "
+            lines.append(f"| {cand} | {cal} | {est} | {g('plain')} | {g('calibrated')} | {g('adaptive_100')} | "
                          f"{g('adaptive_500')} | {g('oracle')} | {g('tv_500')} | {g('max_gap_500')} | "
                          f"{g('backward50_100')} | {g('backward50_calibrated')} |")
         lines.append("")

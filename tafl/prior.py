@@ -256,12 +256,13 @@ class PriorEstimate:
 
 
 def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter: int = 200,
-             floor: float = 1e-8) -> PriorEstimate:
+             floor: float = 1e-8, pseudo_count: float = 0.0) -> PriorEstimate:
     """Saerens et al.'s EM: the maximum-likelihood class prior of unlabeled images.
 
     probs (N, C) calibrated posteriors under `source` (C,). Vectorised over images; stops when
-    no class's prior moves by more than `tol` or after `max_iter` iterations. With no images the
-    estimate is the source prior.
+    no class's prior moves by more than `tol` or after `max_iter` iterations. `pseudo_count` adds
+    that many images' worth of the source prior to every M-step (a Dirichlet MAP estimate). With no
+    images the estimate is the source prior.
     """
     p = np.asarray(probs, np.float64)
     src = np.clip(np.asarray(source, np.float64), floor, None)
@@ -279,7 +280,7 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
     for it in range(1, max_iter + 1):
         # M-step without forming the (N, C) posteriors: q'_c = q_c · mean_i ratio_ic / (ratio_i · q)
         inv = 1.0 / np.maximum(ratio @ q, 1e-300)
-        new = np.maximum(q * (ratio_t @ inv) / n, floor)
+        new = np.maximum((q * (ratio_t @ inv) + pseudo_count * src) / (n + pseudo_count), floor)
         new /= new.sum()
         if float(np.abs(new - q).max()) < tol:
             q = new
@@ -287,3 +288,63 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
             break
         q = new
     return PriorEstimate(q, len(p), it, converged, total_variation(q, src))
+
+
+# ------------------------------------------------------------------ confusion-based estimation
+def soft_confusion(probs: np.ndarray, labels: np.ndarray, num_classes: int, floor: float = 1e-4) -> np.ndarray:
+    """M[y, j] = the mean predicted probability of class j over labelled images of class y (rows sum to 1).
+
+    Under label shift p(x|y) does not change, so M holds for every class mix: it is what makes the
+    confusion-based estimate consistent whatever the posteriors' calibration. Classes without an
+    image get the identity row. The sums behind it (`confusion_stats`) are what a client sends.
+    """
+    s = confusion_stats(probs, labels, num_classes)
+    return confusion_from_stats(s["confusion_sum"], s["confusion_count"], floor)
+
+
+def confusion_stats(probs: np.ndarray, labels: np.ndarray, num_classes: int) -> dict[str, np.ndarray]:
+    """Per true class, the sum of predicted probability vectors and the image count (aggregates only)."""
+    p = np.asarray(probs, np.float64)
+    y = np.asarray(labels, np.int64)
+    total = np.zeros((num_classes, num_classes))
+    np.add.at(total, y, p)
+    return {"confusion_sum": total, "confusion_count": np.bincount(y, minlength=num_classes).astype(np.float64)}
+
+
+def confusion_from_stats(total: np.ndarray, count: np.ndarray, floor: float = 1e-4) -> np.ndarray:
+    total, count = np.asarray(total, np.float64), np.asarray(count, np.float64)
+    C = len(count)
+    M = np.where(count[:, None] > 0, total / np.maximum(count, 1.0)[:, None], np.eye(C))
+    M = np.maximum(M, floor)
+    return M / M.sum(1, keepdims=True)
+
+
+def confusion_prior(probs: np.ndarray, confusion: np.ndarray, source: np.ndarray, tol: float = 1e-6,
+                    max_iter: int = 500, pseudo_count: float = 0.0, floor: float = 1e-8) -> PriorEstimate:
+    """The maximum-likelihood prior q of the target's predictions seen through the channel M: the mean
+    predicted distribution of the N images is modelled as q·M (soft BBSE solved by EM, which keeps q on
+    the simplex). `pseudo_count` adds that many images' worth of the source prior (a Dirichlet MAP
+    estimate that shrinks small samples toward the source). With no images: the source prior."""
+    p = np.asarray(probs, np.float64)
+    M = np.asarray(confusion, np.float64)
+    src = np.clip(np.asarray(source, np.float64), floor, None)
+    src = src / src.sum()
+    C = len(src)
+    if p.ndim != 2 or p.shape[1] != C or M.shape != (C, C):
+        raise ValueError(f"probs must be (N, {C}) and the confusion ({C}, {C}), got {p.shape} and {M.shape}")
+    n = len(p)
+    if n == 0:
+        return PriorEstimate(src.copy(), 0, 0, False, 0.0)
+    counts = p.sum(0)  # soft counts per predicted class
+    q = src.copy()
+    converged, it = False, 0
+    for it in range(1, max_iter + 1):
+        joint = q[:, None] * M  # (true y, predicted j)
+        resp = joint / np.maximum(joint.sum(0, keepdims=True), 1e-300)
+        new = np.maximum((resp @ counts + pseudo_count * src) / (n + pseudo_count), floor)
+        new /= new.sum()
+        if float(np.abs(new - q).max()) < tol:
+            q, converged = new, True
+            break
+        q = new
+    return PriorEstimate(q, n, it, converged, total_variation(q, src))

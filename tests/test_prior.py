@@ -123,3 +123,53 @@ def test_calibration_round_trips_and_refuses_bad_values():
         Calibration.from_dict({"temperature": -1.0})
     with pytest.raises(ConfigError):
         Calibration.from_dict({"bias": [0.0, 1.0]}, C)
+
+
+def _gaussian_task(seed: int = 0, C: int = 5, d: int = 8):
+    rng = np.random.default_rng(seed)
+    mu = rng.normal(0, 1.2, (C, d))
+
+    def sample(q, n):
+        y = rng.choice(C, n, p=q)
+        return mu[y] + rng.normal(0, 1, (n, d)), y
+
+    def logits(x, src):  # the exact posterior's logits under the source prior
+        return -0.5 * ((x[:, None, :] - mu[None]) ** 2).sum(-1) + np.log(src)
+
+    return sample, logits
+
+
+def test_confusion_estimate_holds_where_em_on_overconfident_posteriors_drifts():
+    from tafl.prior import confusion_prior, soft_confusion, softmax, total_variation
+
+    sample, logits = _gaussian_task()
+    src, tgt = np.array([.5, .2, .15, .1, .05]), np.array([.05, .1, .15, .2, .5])
+    xs, ys = sample(src, 4000)
+    xt, _ = sample(tgt, 2000)
+    over = lambda x: softmax(3 * logits(x, src))  # noqa: E731 - three times too confident
+    M = soft_confusion(over(xs), ys, 5)
+    assert np.allclose(M.sum(1), 1)
+    tv_em = total_variation(em_prior(over(xt), src).prior, tgt)
+    tv_conf = total_variation(confusion_prior(over(xt), M, src).prior, tgt)
+    assert tv_conf < 0.06 < 0.2 < tv_em  # the channel M absorbs the miscalibration; EM does not
+
+
+def test_confusion_estimate_shrinks_toward_the_source_and_falls_back_without_images():
+    from tafl.prior import confusion_prior, confusion_stats, confusion_from_stats, soft_confusion, softmax
+
+    sample, logits = _gaussian_task(1)
+    src, tgt = np.array([.4, .3, .15, .1, .05]), np.array([.05, .05, .1, .3, .5])
+    xs, ys = sample(src, 3000)
+    probs = softmax(logits(xs, src))
+    M = soft_confusion(probs, ys, 5)
+    parts = [confusion_stats(probs[i::3], ys[i::3], 5) for i in range(3)]  # three clients' sums = the pooled matrix
+    pooled = confusion_from_stats(sum(p["confusion_sum"] for p in parts), sum(p["confusion_count"] for p in parts))
+    assert np.allclose(pooled, M)
+    xt, _ = sample(tgt, 300)
+    free = confusion_prior(softmax(logits(xt, src)), M, src).prior
+    shrunk = confusion_prior(softmax(logits(xt, src)), M, src, pseudo_count=300).prior
+    assert np.abs(shrunk - src).sum() < np.abs(free - src).sum()
+    empty = confusion_prior(np.zeros((0, 5)), M, src)
+    assert empty.images == 0 and np.allclose(empty.prior, src)
+    with pytest.raises(ValueError):
+        confusion_prior(probs, M[:3, :3], src)
