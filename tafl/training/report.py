@@ -109,7 +109,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     lines += [f"Kept model: round {r.get('selected_round')} ({r.get('selection', 'last')}); "
               f"mean prior-weighted accuracy over the eleven distributions **{pct(r['average_accuracy'])} %**.", ""]
     lines += ["## Accuracy per test distribution (%)", "",
-              "Prior-weighted = Σ_c π_c·acc_c on the whole test split (DESIGN.md §3); sampled = the paper's "
+              "Prior-weighted = Σ_c π_c·acc_c on the whole test split (docs/design.md §3); sampled = the paper's "
               "subset accuracy.", ""]
     lines += distribution_table({"prior-weighted": r, "sampled": {"test_distributions": {
         n: {"accuracy": d["sampled_accuracy"]} for n, d in r["test_distributions"].items()}}})
@@ -142,6 +142,13 @@ def render_markdown(r: dict[str, Any]) -> str:
         rows["oracle"] = {"test_distributions": {n: {"accuracy": d.get("oracle")}
                                                  for n, d in r["test_distributions"].items()}}
         lines += distribution_table(rows)
+    v = r.get("validation")
+    if v and v.get("distribution_accuracy"):
+        lines += ["", "## Validation split (%)", "",
+                  f"Accuracy {pct(v['accuracy'])}, balanced accuracy {pct(v['balanced_accuracy'])}; prior-weighted "
+                  "accuracy per distribution:", ""]
+        lines += distribution_table({"validation": {"test_distributions": {
+            n: {"accuracy": a} for n, a in v["distribution_accuracy"].items()}}})
     m = r["uniform_metrics"]
     lines += ["", "## Metrics (%)", "", "| test mix | accuracy | macro F1 | precision | recall | specificity | AUC |",
               "|---|---|---|---|---|---|---|",

@@ -544,10 +544,11 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
     report.update(method.extra_report(state, out, ds.test, ranks))
     val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
     val_ev = evaluate_outputs(val["probs"], val["label"], ds.val.labels, ranks, cfg.test_seed)
+    # accuracy: plain, on the validation split as it comes; distribution_accuracy: prior-weighted per distribution
     report["validation"] = {"accuracy": float((val["label"] == ds.val.labels).mean()),
                             "balanced_accuracy": balanced_accuracy(val["label"], ds.val.labels, len(ds.class_names)),
                             "average_accuracy": val_ev["average_accuracy"],
-                            "accuracy": {k: d["accuracy"] for k, d in val_ev["test_distributions"].items()}}
+                            "distribution_accuracy": {k: d["accuracy"] for k, d in val_ev["test_distributions"].items()}}
     if "expert_labels" in val:  # each expert on the validation split too: specialisation is checked there
         names = list(state.meta.get("experts") or [])
         report["validation"]["experts"] = {}

@@ -33,7 +33,13 @@ def test_fedavg_two_rounds_report_schema_and_beats_chance(tmp_path, smoke_cfg):
     assert on_disk["communication"]["uplink_bytes"] > 0 and on_disk["communication"]["downlink_bytes"] > 0
     assert on_disk["test_distributions"]["uniform"]["accuracy"] > 1 / 10  # better than chance on 10 classes
     assert len(on_disk["client_class_counts"]) == smoke_cfg.clients
-    assert (out / "report.md").read_text().startswith("# fedavg on digits")
+    val = on_disk["validation"]  # the plain accuracy and the per-distribution ones under distinct keys
+    assert isinstance(val["accuracy"], float) and 0 <= val["accuracy"] <= 1 and 0 <= val["balanced_accuracy"] <= 1
+    assert list(val["distribution_accuracy"]) == list(DISTRIBUTION_NAMES)
+    assert val["average_accuracy"] == pytest.approx(sum(val["distribution_accuracy"].values()) / 11)
+    md = (out / "report.md").read_text()
+    assert md.startswith("# fedavg on digits")
+    assert f"## Validation split (%)\n\nAccuracy {100 * val['accuracy']:.2f}, balanced accuracy" in md
     assert (out / "accuracy.png").stat().st_size > 1000
     ck = torch.load(out / "final.pt", weights_only=True)  # tensors and plain config only
     assert ck["method"] == "fedavg" and ck["round"] == 2
