@@ -70,13 +70,27 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     cfg = load_config(ns.config, config_overrides(ns))
     if cfg.engine == "flower":
-        from tafl.training.flower import run_flower_simulation
-
-        report = run_flower_simulation(cfg, ns.out, resume=ns.resume, force=ns.force)
+        report = _flower_simulation()(cfg, ns.out, resume=ns.resume, force=ns.force)
     else:
         report = train(cfg, ns.out, resume=ns.resume, force=ns.force, progress=None if not ns.no_progress else False)
     _print_summary(report, Path(ns.out))
     return 0
+
+
+def _flower_simulation():
+    """`run_flower_simulation`, or a ConfigError naming the extra when Flower (or its Ray engine) is missing."""
+    try:
+        import flwr  # noqa: F401
+        import flwr.simulation  # noqa: F401  (needs Ray: the `simulation` extra of flwr)
+
+        from tafl.training.flower import run_flower_simulation
+    except ImportError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing not in ("flwr", "ray"):
+            raise
+        raise ConfigError(f"--engine flower needs Flower, but {missing} is not installed ({exc}); install the "
+                          "federated extra: pip install 'tafl[federated]'") from exc
+    return run_flower_simulation
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
@@ -147,7 +161,7 @@ def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: f
 
     import httpx
 
-    from tafl.serving.launch import ServerProcess, free_port
+    from tafl.serving.launch import ServerProcess
 
     port = port or _port_or_free(3000)
     print(f"\ntafl demo: 3/3 starting the service on http://127.0.0.1:{port} (bentoml serve) ...", flush=True)

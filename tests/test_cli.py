@@ -125,3 +125,34 @@ def test_demo_trains_exports_serves_and_answers(tmp_path):
     assert "digit_3.png -> class" in out and "curl -s -F file=@" in out
     assert (tmp_path / "demo" / "package" / "model.onnx").is_file()
     assert (tmp_path / "demo" / "run" / "report.json").is_file()
+
+
+def test_explain_a_gtafl_resnet8_checkpoint_writes_a_png_heatmap(gtafl_run, tmp_path, capsys):
+    """`tafl explain` on a CNN (GTAFL's ResNet-8 experts): a class activation map overlay, no traceback."""
+    from PIL import Image
+
+    from tafl.cli import main
+    from tests.conftest import digit_png
+
+    img, out = tmp_path / "digit.png", tmp_path / "overlay.png"
+    img.write_bytes(digit_png(3))
+    assert main(["explain", str(gtafl_run / "final.pt"), str(img), "--out", str(out)]) == 0
+    assert "class activation map written to" in capsys.readouterr().out
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    with Image.open(out) as im:
+        im.verify()
+    with Image.open(out) as im:
+        assert im.format == "PNG" and im.size == (64, 64) and im.mode == "RGB"
+
+
+def test_flower_engine_without_the_federated_extra_names_it(tmp_path, monkeypatch, capsys):
+    from tafl.cli import main
+
+    monkeypatch.setitem(sys.modules, "flwr", None)  # `import flwr` raises ImportError, as when it is not installed
+    monkeypatch.delitem(sys.modules, "tafl.training.flower", raising=False)
+    code = main(["train", "--config", str(CONFIGS / "smoke.yaml"), "--engine", "flower", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("tafl: error:")]
+    assert len(lines) == 1 and "pip install 'tafl[federated]'" in lines[0] and "flwr" in lines[0], err
+    assert not (tmp_path / "o").exists()

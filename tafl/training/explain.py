@@ -149,8 +149,8 @@ def explain_checkpoint(checkpoint: str | Path, image: str | Path, out: str | Pat
 
             ens = ExpertEnsemble(model.extractor, experts, state.extras["expert.bias"],
                                  tuple(state.meta.get("experts", ())), state.meta.get("vote", "hard")).eval()
-            out = ens(x)
-            label, probs = out["label"], out["probs"]
+            voted = ens(x)  # not `out`: that is the overlay's path
+            label, probs = voted["label"], voted["probs"]
             head_w = experts.mean(0)
         else:
             logits = model.head(feats)
@@ -164,9 +164,10 @@ def explain_checkpoint(checkpoint: str | Path, image: str | Path, out: str | Pat
         else:
             heat = attention_rollout(model.extractor, x)
     else:
-        heat = class_activation_map(model.extractor, head_w, x, label)
+        with torch.no_grad():  # the CAM is plain inference: no graph to keep (numpy refuses a tensor that has one)
+            heat = class_activation_map(model.extractor, head_w, x, label)
     rgb = np.asarray(pil.convert("RGB"))
-    Image.fromarray(overlay(rgb, heat[0].numpy())).save(out)
+    Image.fromarray(overlay(rgb, heat[0].detach().numpy())).save(out)
     c = int(label[0])
     return {"label": c, "class_name": ck["class_names"][c], "probability": float(probs[0, c]),
             "heatmap": "attention rollout" if mcfg.is_vit and kind != "grad" else
