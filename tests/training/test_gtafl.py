@@ -12,8 +12,7 @@ from tafl.training import gff
 from tafl.training.checkpoint import load_checkpoint
 from tafl.training.ensemble import ExpertEnsemble
 from tafl.training.evaluate import evaluate_outputs
-from tafl.training.methods.base import ClientResult, GlobalState
-from tafl.training.methods.gtafl import GTAFL, gigds_class_weights
+from tafl.training.methods.gtafl import gigds_class_weights
 from tafl.training.simulator import make_method, prepare, train
 
 
