@@ -1,4 +1,4 @@
-"""`tafl export`: a training checkpoint becomes a verified ONNX model package (DESIGN.md §6).
+"""`tafl export`: a training checkpoint becomes a verified ONNX model package (docs/design.md §6).
 
 Graphs take a normalised float batch `image` (N, C, H, W) with a dynamic batch size; resizing
 and normalising stay outside the graph and are recorded in metadata.json (the shared
@@ -135,7 +135,7 @@ class SingleHeadGraph(nn.Module):
 
 def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's calibration (tafl.prior) with its source prior and the posteriors it applies to; a model
-    fitted without one gets the identity and the prior its plain posteriors describe (docs/design.md §2)."""
+    fitted without one gets the identity and the prior its plain posteriors describe (docs/decisions.md §2)."""
     from tafl.prior import Calibration
 
     meta, extras = ck["state"].get("meta", {}), ck["state"].get("extras", {})
@@ -301,7 +301,7 @@ def _metrics_from(ck_path: Path) -> dict[str, Any] | None:
     r = json.loads(rep.read_text())
     dists = r.get("test_distributions", {})
     return {"source": f"report.json of the training run ({r.get('dataset')} test split; prior-weighted accuracy, "
-                      "DESIGN.md §3)",
+                      "docs/design.md §3)",
             "average_accuracy": r.get("average_accuracy"),
             "accuracy": {k: d.get("accuracy") for k, d in dists.items()},
             "sampled_accuracy": {k: d.get("sampled_accuracy") for k, d in dists.items()},
@@ -343,88 +343,22 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
     ck_path = Path(checkpoint)
     ck = load_checkpoint(ck_path)
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise PackageError(f"{out} already holds files; pass --force to replace it")
-        if not (out / "metadata.json").is_file():
-            raise PackageError(f"{out} is not empty and holds no model package; refusing to replace it")
+    _check_out(out, force)
     graph, experts, vote = build_graph(ck)
     names = type(graph).outputs
     mcfg = ModelConfig.from_dict(ck["model_config"])
     pre = Preprocess.from_dict(ck["preprocess"])
-    parent_pkg = load_package(parent) if parent else None
-    parent_info = ck.get("parent_package")  # written by `tafl retrain`
-    if parent_pkg is None and parent_info and Path(parent_info.get("path", "")).is_dir():
-        try:
-            parent_pkg = load_package(parent_info["path"])
-        except PackageError:
-            parent_pkg = None
-    if parent_pkg is not None:
-        version, parent_version, pname = bump_minor(parent_pkg.version), parent_pkg.version, parent_pkg.name
-    elif parent_info:
-        version, parent_version, pname = bump_minor(parent_info["version"]), parent_info["version"], parent_info["name"]
-    else:
-        version, parent_version, pname = "1.0.0", None, None
-    pkg_name = name or pname or f"{ck['method']}-{ck['run_config']['dataset']}"
+    lineage = _lineage(ck, parent)
+    pkg_name = name or lineage["name"] or f"{ck['method']}-{ck['run_config']['dataset']}"
     x = pre.normalize(_sample_images(ck, images, data_root))
     with tempfile.TemporaryDirectory(prefix=".tafl-export-", dir=out.parent if out.parent.exists() else None) as tmp:
         tmpd = Path(tmp)
         onnx_path = tmpd / "model.onnx"
-        C = mcfg.num_classes
-        dyn = {"image": {0: "batch"}, "log_prior_ratio": {0: "prior_rows"}, **{n: {0: "batch"} for n in names}}
-        with torch.no_grad():
-            torch.onnx.export(graph, (torch.from_numpy(x[:2]), torch.zeros(1, C)), str(onnx_path),
-                              input_names=["image", "log_prior_ratio"], output_names=list(names), dynamic_axes=dyn,
-                              opset_version=OPSET, dynamo=False)
-        _default_prior_input(onnx_path, C)
-        from tafl.prior import log_prior_ratio
-
-        calibration = graph.prior_spec
-        # the check's prior: the source prior's reverse, a shift as large as a deployment meets
-        check = verify(graph, onnx_path, x, names,
-                       log_prior_ratio(np.asarray(calibration["source_prior"])[::-1], calibration["source_prior"]))
+        _to_onnx(graph, x, names, mcfg.num_classes, onnx_path)
+        check = _verify_with_prior(graph, onnx_path, x, names)
         metrics = _metrics_from(ck_path)
-        meta = {
-            "schema": SCHEMA, "name": pkg_name, "version": version, "parent_version": parent_version,
-            "parent": ({"name": parent_pkg.name, "version": parent_pkg.version,
-                        "model_sha256": sha256_file(parent_pkg.model_path)} if parent_pkg else parent_info),
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "tafl_version": tafl.__version__, "method": ck["method"], "backbone": mcfg.backbone,
-            "model_config": mcfg.to_dict(), "task": "single-label image classification",
-            "class_names": list(ck["class_names"]),
-            "input": {"name": "image", "shape": ["batch", pre.channels, pre.size, pre.size], "dtype": "float32",
-                      "preprocessing": "outside the graph: decode, convert to the channel count, resize to size×size "
-                                       "(Pillow, bilinear), scale to [0, 1], subtract mean, divide by std",
-                      "preprocess": pre.to_dict()},
-            "outputs": _output_spec(names, len(experts), mcfg.num_classes, pre.size),
-            "experts": experts, "vote": vote,
-            "prior": {"input": "log_prior_ratio", "shape": ["1 or batch", C], "dtype": "float32", "default": "zeros",
-                      "rule": "label = argmax softmax(scale·z + bias + log q − log source_prior) when the input is "
-                              "non-zero, else the model's own rule",
-                      "posteriors": calibration["posteriors"], "calibration": calibration["kind"],
-                      "temperature": calibration["temperature"], "scale": calibration["scale"],
-                      "bias": calibration["bias"], "source_prior": calibration["source_prior"],
-                      "fit": calibration.get("fit", {})},
-            "heatmap": "attention rollout of the shared extractor" if mcfg.is_vit else
-                       "class activation map of the predicted class",
-            "training": {"run_config": ck["run_config"], "round": ck["round"],
-                         "train_class_counts": ck.get("train_class_counts"), "class_ranks": ck.get("class_ranks")},
-            "data_provenance": ck.get("data_provenance", {}),
-            "metrics": metrics,
-            "intended_use": (f"Classify {ck['run_config']['dataset']}-like images into {len(ck['class_names'])} classes "
-                             "when the class mix at the site is unknown or shifts (test-agnostic long-tailed "
-                             "setting), as decision support beside a clinician."),
-            "limitations": _limitations(ck, metrics, mcfg.is_vit),
-            "verification": check,
-        }
-        (tmpd / "metadata.json").write_text(json.dumps(meta, indent=2))
-        (tmpd / "README.md").write_text(render_card(meta))
-        shutil.copyfile(ck_path, tmpd / "checkpoint.pt")
-        write_checksums(tmpd, ["model.onnx", "metadata.json", "README.md", "checkpoint.pt"])
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(tmpd, out)
+        meta = _metadata(ck, mcfg, pre, graph, names, experts, vote, pkg_name, lineage, metrics, check)
+        _write_package(tmpd, meta, ck_path, out)
     pkg = load_package(out)
     log.info("exported %s %s to %s (max |Δp| %.1e, max |Δheatmap| %.1e)", pkg.name, pkg.version, out,
              check["max_abs_prob_diff"], check["max_abs_heatmap_diff"])
@@ -433,3 +367,103 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
 
         store(pkg, to_bentoml)
     return pkg
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """`out` may be replaced: empty, absent, or an earlier package with --force."""
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise PackageError(f"{out} already holds files; pass --force to replace it")
+        if not (out / "metadata.json").is_file():
+            raise PackageError(f"{out} is not empty and holds no model package; refusing to replace it")
+
+
+def _lineage(ck: dict[str, Any], parent: str | Path | None) -> dict[str, Any]:
+    """The new package's version and its parent: --parent, else the package `tafl retrain` started from (loaded
+    when its folder is still there, else as recorded in the checkpoint), else none (1.0.0)."""
+    parent_pkg = load_package(parent) if parent else None
+    parent_info = ck.get("parent_package")  # written by `tafl retrain`
+    if parent_pkg is None and parent_info and Path(parent_info.get("path", "")).is_dir():
+        try:
+            parent_pkg = load_package(parent_info["path"])
+        except PackageError:
+            parent_pkg = None
+    if parent_pkg is not None:
+        return {"version": bump_minor(parent_pkg.version), "parent_version": parent_pkg.version,
+                "name": parent_pkg.name, "parent": {"name": parent_pkg.name, "version": parent_pkg.version,
+                                                    "model_sha256": sha256_file(parent_pkg.model_path)}}
+    if parent_info:
+        return {"version": bump_minor(parent_info["version"]), "parent_version": parent_info["version"],
+                "name": parent_info["name"], "parent": parent_info}
+    return {"version": "1.0.0", "parent_version": None, "name": None, "parent": None}
+
+
+def _to_onnx(graph: nn.Module, x: np.ndarray, names: tuple[str, ...], num_classes: int, onnx_path: Path) -> None:
+    """Export the graph with a dynamic batch and the optional `log_prior_ratio` input (default zeros)."""
+    dyn = {"image": {0: "batch"}, "log_prior_ratio": {0: "prior_rows"}, **{n: {0: "batch"} for n in names}}
+    with torch.no_grad():
+        torch.onnx.export(graph, (torch.from_numpy(x[:2]), torch.zeros(1, num_classes)), str(onnx_path),
+                          input_names=["image", "log_prior_ratio"], output_names=list(names), dynamic_axes=dyn,
+                          opset_version=OPSET, dynamo=False)
+    _default_prior_input(onnx_path, num_classes)
+
+
+def _verify_with_prior(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, ...]) -> dict[str, Any]:
+    """`verify`, with the check's prior the source prior's reverse: a shift as large as a deployment meets."""
+    from tafl.prior import log_prior_ratio
+
+    source = graph.prior_spec["source_prior"]
+    return verify(graph, onnx_path, x, names, log_prior_ratio(np.asarray(source)[::-1], source))
+
+
+def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.Module, names: tuple[str, ...],
+              experts: list, vote: Any, pkg_name: str, lineage: dict[str, Any], metrics: dict[str, Any] | None,
+              check: dict[str, Any]) -> dict[str, Any]:
+    """metadata.json: identity and lineage, input and output spec, vote, prior rule, provenance, metrics, checks."""
+    C = mcfg.num_classes
+    calibration = graph.prior_spec
+    return {
+        "schema": SCHEMA, "name": pkg_name, "version": lineage["version"], "parent_version": lineage["parent_version"],
+        "parent": lineage["parent"],
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "tafl_version": tafl.__version__, "method": ck["method"], "backbone": mcfg.backbone,
+        "model_config": mcfg.to_dict(), "task": "single-label image classification",
+        "class_names": list(ck["class_names"]),
+        "input": {"name": "image", "shape": ["batch", pre.channels, pre.size, pre.size], "dtype": "float32",
+                  "preprocessing": "outside the graph: decode, convert to the channel count, resize to size×size "
+                                   "(Pillow, bilinear), scale to [0, 1], subtract mean, divide by std",
+                  "preprocess": pre.to_dict()},
+        "outputs": _output_spec(names, len(experts), mcfg.num_classes, pre.size),
+        "experts": experts, "vote": vote,
+        "prior": {"input": "log_prior_ratio", "shape": ["1 or batch", C], "dtype": "float32", "default": "zeros",
+                  "rule": "label = argmax softmax(scale·z + bias + log q − log source_prior) when the input is "
+                          "non-zero, else the model's own rule",
+                  "posteriors": calibration["posteriors"], "calibration": calibration["kind"],
+                  "temperature": calibration["temperature"], "scale": calibration["scale"],
+                  "bias": calibration["bias"], "source_prior": calibration["source_prior"],
+                  "fit": calibration.get("fit", {})},
+        "heatmap": "attention rollout of the shared extractor" if mcfg.is_vit else
+                   "class activation map of the predicted class",
+        "training": {"run_config": ck["run_config"], "round": ck["round"],
+                     "train_class_counts": ck.get("train_class_counts"), "class_ranks": ck.get("class_ranks")},
+        "data_provenance": ck.get("data_provenance", {}),
+        "metrics": metrics,
+        "intended_use": (f"Classify {ck['run_config']['dataset']}-like images into {len(ck['class_names'])} classes "
+                         "when the class mix at the site is unknown or shifts (test-agnostic long-tailed "
+                         "setting), as decision support beside a clinician."),
+        "limitations": _limitations(ck, metrics, mcfg.is_vit),
+        "verification": check,
+    }
+
+
+def _write_package(tmpd: Path, meta: dict[str, Any], ck_path: Path, out: Path) -> None:
+    """metadata.json, the model card, the checkpoint and SHA256SUMS beside model.onnx in `tmpd`; then `tmpd`
+    replaces `out`."""
+    (tmpd / "metadata.json").write_text(json.dumps(meta, indent=2))
+    (tmpd / "README.md").write_text(render_card(meta))
+    shutil.copyfile(ck_path, tmpd / "checkpoint.pt")
+    write_checksums(tmpd, ["model.onnx", "metadata.json", "README.md", "checkpoint.pt"])
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(tmpd, out)

@@ -1,4 +1,4 @@
-"""The in-process federated simulator: the embedded default transport of DESIGN.md §2.
+"""The in-process federated simulator: the embedded default transport of docs/design.md §2.
 
 It builds the long-tailed training set and the client partition once, keeps one copy of the
 data (clients hold index tensors into it) and one working model inside the method, then drives
@@ -151,6 +151,22 @@ def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool 
 def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progress: bool | None,
            init_from: dict[str, Any] | None = None, parent_package: dict[str, Any] | None = None,
            transport_factory=None) -> dict[str, Any]:
+    prep, method, transport = _setup(cfg, device, init_from, transport_factory)
+    state = _initial_state(method, transport, prep, init_from)
+    book, start = _new_book(), 0
+    if resume:
+        state, start, book = _resume(out / "checkpoints", prep, state, book)
+    common = _common_fields(cfg, prep)
+    if parent_package:
+        common["parent_package"] = parent_package
+    state = _round_loop(method, state, transport, cfg, book, common, prep.dataset, out / "checkpoints", start,
+                        progress)
+    return _finalise(method, state, transport, cfg, book, common, prep.dataset, out)
+
+
+def _setup(cfg: RunConfig, device: torch.device, init_from: dict[str, Any] | None,
+           transport_factory) -> tuple[Prepared, Method, Transport]:
+    """The data, the method and the transport that reaches its clients (default: in-process)."""
     prep = prepare(cfg)
     ds = prep.dataset
     if init_from is not None:
@@ -171,35 +187,48 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
         transport: Transport = InProcessTransport(method, clients)
     else:
         transport = transport_factory(method, prep)
-
-    book: dict[str, Any] = {"history": [], "timing": {"client_s": 0.0, "server_s": 0.0, "eval_s": 0.0},
-                            "communication": {"uplink_bytes": 0, "downlink_bytes": 0}, "best": None}
     method.attach_server_pool(server_pool(cfg, ds))
+    return prep, method, transport
+
+
+def _initial_state(method: Method, transport: Transport, prep: Prepared,
+                   init_from: dict[str, Any] | None) -> GlobalState:
+    """A fresh global state (or `init_from`'s, for retraining), after round 0: the census, in which every client
+    reports its class counts before training starts."""
     state = method.init_state(prep.train_counts)
     if init_from is not None:
         start_state = GlobalState.from_dict(init_from["state"])
         state = GlobalState(start_state.weights, {**state.extras, **start_state.extras},
                             {**start_state.meta, "client_counts": {}, "round": 0})
-    # round 0: the census; every client reports its class counts before training starts
     method.round_config(state, transport.census(), 0)
-    start = 0
-    ckpt_dir = out / "checkpoints"
-    if resume:
-        latest = latest_round_checkpoint(ckpt_dir)
-        if latest is None:
-            log.info("--resume: no readable round checkpoint in %s; starting from round 1", ckpt_dir)
-        else:
-            ck = load_checkpoint(latest)
-            if ck.get("index_sha256") != prep.index_sha256:
-                raise CheckpointError(f"{latest} was trained on different data (training index hash differs)")
-            state = GlobalState.from_dict(ck["state"])
-            start = int(ck["round"])
-            book = ck["book"]
-            log.info("resuming after round %d from %s", start, latest)
+    return state
 
-    common = _common_fields(cfg, prep)
-    if parent_package:
-        common["parent_package"] = parent_package
+
+def _new_book() -> dict[str, Any]:
+    """What a run accumulates besides the model: per-round history, time, bytes, the best round so far."""
+    return {"history": [], "timing": {"client_s": 0.0, "server_s": 0.0, "eval_s": 0.0},
+            "communication": {"uplink_bytes": 0, "downlink_bytes": 0}, "best": None}
+
+
+def _resume(ckpt_dir: Path, prep: Prepared, state: GlobalState,
+            book: dict[str, Any]) -> tuple[GlobalState, int, dict[str, Any]]:
+    """The state, last round and book of the newest readable round checkpoint (round 0 and the given state and book
+    when there is none)."""
+    latest = latest_round_checkpoint(ckpt_dir)
+    if latest is None:
+        log.info("--resume: no readable round checkpoint in %s; starting from round 1", ckpt_dir)
+        return state, 0, book
+    ck = load_checkpoint(latest)
+    if ck.get("index_sha256") != prep.index_sha256:
+        raise CheckpointError(f"{latest} was trained on different data (training index hash differs)")
+    log.info("resuming after round %d from %s", int(ck["round"]), latest)
+    return GlobalState.from_dict(ck["state"]), int(ck["round"]), ck["book"]
+
+
+def _round_loop(method: Method, state: GlobalState, transport: Transport, cfg: RunConfig, book: dict[str, Any],
+                common: dict[str, Any], ds: Dataset, ckpt_dir: Path, start: int,
+                progress: bool | None) -> GlobalState:
+    """Rounds start+1 .. cfg.rounds: train, validate every eval_every rounds, checkpoint every round."""
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -224,7 +253,13 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
             bar.set_postfix(loss=f"{h['loss']:.3f}", val_acc=_pct(h.get("val_acc")), val_bacc=_pct(h.get("val_bacc")))
             log.info("round %d/%d: loss %.4f, val acc %s, val balanced acc %s, %.1f s", r, cfg.rounds, h["loss"],
                      _pct(h.get("val_acc")), _pct(h.get("val_bacc")), h["seconds"])
+    return state
 
+
+def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: RunConfig, book: dict[str, Any],
+              common: dict[str, Any], ds: Dataset, out: Path) -> dict[str, Any]:
+    """The kept model (last or best-validated round), its finishing and calibration rounds, `final.pt` and the
+    evaluated report."""
     if cfg.select == "val" and book["best"] is not None:
         kept, kept_round = GlobalState.from_dict(book["best"]["state"]), book["best"]["round"]
     else:
@@ -469,8 +504,10 @@ def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState
 
 
 def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarray, source: np.ndarray,
-                          sizes: list[int], draws: int, seed: int) -> dict[str, Any]:
-    """Prior-weighted accuracies of the calibrated, adapted and oracle rules over the eleven distributions."""
+                          sizes: list[int], draws: int, seed: int, estimate=None) -> dict[str, Any]:
+    """Prior-weighted accuracies of the calibrated, adapted and oracle rules over the eleven distributions.
+
+    `estimate(probs_of_the_drawn_images) -> prior` is the prior estimator (default: EM, `em_prior`)."""
     from tafl.prior import adapt, em_prior, total_variation
     from tafl.training.evaluate import per_class_accuracy
     from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
@@ -499,9 +536,9 @@ def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarr
                 rng = np.random.default_rng([seed, 313, i, n, k])
                 per_class = rng.multinomial(n, target)
                 idx = np.concatenate([rng.choice(rows[c], m, replace=True) for c, m in enumerate(per_class) if m])
-                est = em_prior(probs[idx], source)
-                accs.append(weighted(adapt(probs, source, est.prior).argmax(1), prior))
-                tvs.append(total_variation(est.prior, target))
+                q = em_prior(probs[idx], source).prior if estimate is None else estimate(probs[idx])
+                accs.append(weighted(adapt(probs, source, q).argmax(1), prior))
+                tvs.append(total_variation(q, target))
             d["adaptive"][str(n)] = {"accuracy": float(np.mean(accs)), "accuracy_sd": float(np.std(accs)),
                                      "tv": float(np.mean(tvs))}
             avg[f"adaptive_{n}"].append(float(np.mean(accs)))
