@@ -3,29 +3,23 @@
 `serve` verifies the packages first (a clear error beats a worker that dies at start), then runs
 `bentoml serve` on 127.0.0.1 by default with TAFL_PACKAGES set. `ServerProcess` starts the same
 command in the background, waits for /readyz, and stops the whole process group; tests and the
-demo use it.
+demo use it. The process helpers live in `tafl.procs` (re-exported here: `free_port`, `stop_group`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from tafl.errors import ServiceUnavailable
+from tafl.procs import free_port, start_group, stop_group, wait_http
 from tafl.serving.runtime import resolve_package
 
+__all__ = ["SERVICE", "ServerProcess", "free_port", "serve", "serve_command", "service_env", "stop_group"]
+
 SERVICE = "tafl.serving.service:TaflService"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(host: str, port: int, target: str = SERVICE) -> list[str]:
@@ -57,23 +51,6 @@ def serve(packages: list[str], host: str = "127.0.0.1", port: int = 3000, token:
         return proc.wait()
 
 
-def stop_group(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
-    """SIGTERM a process started with start_new_session=True and its group; SIGKILL after `grace` s."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 class ServerProcess:
     """`bentoml serve` in its own process group on 127.0.0.1, ready when /readyz answers 200."""
 
@@ -86,25 +63,15 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120.0) -> ServerProcess:
-        import httpx
-
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(serve_command("127.0.0.1", self.port, self.target), env=service_env(self.packages, self.token,
-                                                                                              self.env),
-                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise ServiceUnavailable(f"the service exited with code {self.proc.returncode} while starting"
-                                         + (f"; see {self.log_path}" if self.log_path else ""))
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise ServiceUnavailable(f"the service was not ready within {timeout:.0f} s")
+        self.proc = start_group(serve_command("127.0.0.1", self.port, self.target),
+                                env=service_env(self.packages, self.token, self.env), log_path=self.log_path)
+        try:
+            wait_http(self.url + "/readyz", timeout=timeout, proc=self.proc, name="the service",
+                      hint=f"; see {self.log_path}" if self.log_path else "")
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self, grace: float = 10.0) -> None:
         stop_group(self.proc, grace)
