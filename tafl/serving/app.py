@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tafl.errors import (BadRequest, ConfigError, PackageError, PayloadTooLarge, ServiceError, ServiceUnavailable,
+from tafl.errors import (BadRequest, ConfigError, PayloadTooLarge, ServiceError, ServiceUnavailable,
                          TaflError, Unauthorized, UnsupportedMedia)
 from tafl.imaging.heatmap import overlay, png_bytes
 from tafl.imaging import decode_image
@@ -212,8 +212,8 @@ async def _starlette_form(request: Request, max_files: int, limit: int,
 
 
 def _error(exc: Exception, rid: str) -> JSONResponse:
-    if isinstance(exc, TaflError):
-        status = exc.status if isinstance(exc, ServiceError) else (404 if isinstance(exc, PackageError) else 400)
+    if isinstance(exc, TaflError):  # the status tafl.errors gives the error's class (PackageError: 400, ...)
+        status = exc.status if 400 <= exc.status <= 599 else 500
         code, msg = type(exc).__name__, exc.message
     else:
         status, code, msg = 500, "InternalError", "the service failed on this request; it has been logged"
@@ -526,10 +526,6 @@ async def reload(request: Request) -> Response:
         return JSONResponse(body, headers={"X-Request-ID": rid})
     except Exception as exc:  # noqa: BLE001
         return _fail(exc, rid, audit, start)
-
-
-async def _method_not_allowed(request: Request) -> Response:
-    return _error(BadRequest(f"{request.method} is not supported here; see /docs"), uuid.uuid4().hex[:16])
 
 
 app = Starlette(routes=[

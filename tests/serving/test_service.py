@@ -245,3 +245,22 @@ def test_batch_endpoint_answers_each_image_in_order(server):
     assert r.status_code == 400 and "at most 64" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/predict/batch", files=files[:1], data={"heatmap": "true"}, timeout=60)
     assert r.status_code == 400
+
+
+def test_reload_of_a_bad_package_answers_the_package_error_status(server, tmp_path):
+    """A PackageError on /admin/reload answers tafl.errors' status (400), not 404, and the served models stay."""
+    from tafl.errors import PackageError
+
+    broken = tmp_path / "broken-pkg"
+    broken.mkdir()
+    (broken / "metadata.json").write_text("{}")  # a folder, but no model package
+    before = httpx.get(f"{server.url}/models", timeout=30).json()["models"]
+    auth = {"Authorization": "Bearer admin-test-token"}
+    for ref in (str(tmp_path / "no-such-pkg"), str(broken), "no-such-model:1_0_0"):
+        r = httpx.post(f"{server.url}/admin/reload", json={"package": ref}, headers=auth, timeout=60)
+        assert r.status_code == PackageError.status == 400, (ref, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert err["status"] == 400 and err["code"] == "PackageError" and len(err["message"]) > 10, ref
+    after = httpx.get(f"{server.url}/models", timeout=30).json()["models"]
+    assert [(m["name"], m["version"]) for m in after] == [(m["name"], m["version"]) for m in before]
+    assert post(server, digit_png(2)).status_code == 200
