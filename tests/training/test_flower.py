@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 
@@ -90,16 +91,23 @@ def _yaml(path, cfg: dict):
 
 
 def test_loopback_deployment_gtafl_exports_and_survives_a_killed_node(tmp_path):
-    """SuperLink + 3 SuperNodes as processes; node 2 is killed after round 1: round 2 goes on with the
-    other two, and the saved model exports."""
-    base = {**_cfg("gtafl").to_dict(), "flower_timeout": 60.0, "flower_wait_s": 90.0}
+    """SuperLink + 3 SuperNodes as processes, each beside one warm ClientApp process; node 2 (its
+    SuperNode and its ClientApp process) is killed after round 1: round 2 goes on with the other
+    two, and the saved model exports. The survivors ran every message in one process, which
+    prepared their data once and reused it for each later message."""
+    # Load only stretches the replies (torch is imported and each node's data prepared before or at
+    # the census, not per message); a node killed for good is declared offline by the SuperLink after
+    # its heartbeat lapses, so the generous reply timeout costs no time in round 2
+    base = {**_cfg("gtafl").to_dict(), "flower_timeout": 120.0, "flower_wait_s": 120.0}
     cfg_file = _yaml(tmp_path / "cfg.yaml", base)
-    with LocalFederation(3, tmp_path / "flwr") as fed:
+    home = tmp_path / "flwr"
+    with LocalFederation(3, home) as fed:
         out = tmp_path / "run"
         killer = threading.Thread(target=lambda: (_wait_for(out / "checkpoints" / "round_0001.pt"), fed.kill_node(2)))
         killer.start()
-        r = fed.run({"config": str(cfg_file), "out": str(out), "force": True}, timeout=600)
+        r = fed.run({"config": str(cfg_file), "out": str(out), "force": True}, timeout=900)
         killer.join()
+        assert fed.supernodes[2].poll() is not None and fed.clientapps[2].poll() is not None
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         hist = json.loads((out / "report.json").read_text())["history"]
         assert [h["round"] for h in hist] == [1, 2]
@@ -109,9 +117,17 @@ def test_loopback_deployment_gtafl_exports_and_survives_a_killed_node(tmp_path):
 
         pkg = export_checkpoint(out / "final.pt", tmp_path / "pkg")
         assert pkg.expert_names == ["forward", "uniform", "backward"]
+    for i in (0, 1):
+        text = (home / f"clientapp{i}.log").read_text()
+        pid = int((home / f"clientapp{i}.ready").read_text())
+        tasks = re.findall(r"task \d+ done in [\d.]+ s in process (\d+)", text)
+        # census, then a statistics query and a train message in each of 2 rounds, then the finishing round
+        assert len(tasks) >= 6 and set(tasks) == {str(pid)}, text[-3000:]
+        assert text.count("client data: prepared") == 1, text[-3000:]
+        assert text.count("client data: reused from this process's cache") == len(tasks) - 1, text[-3000:]
 
 
-def _wait_for(path, timeout=120):
+def _wait_for(path, timeout=600):
     deadline = time.time() + timeout
     while not path.exists() and time.time() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.05)
