@@ -60,7 +60,7 @@ class RunConfig:
     optimizer: str = "sgd"  # local optimizer: sgd | adam (DAFL's paper uses Adam, lr 1e-4)
     mu: float = 0.01  # FedProx proximal coefficient
     augment: bool = True  # random crop (pad 1/8 of the side) and horizontal flip during local training
-    # --- GTAFL / CReFF (DESIGN.md §4); the four ablation switches are Table IV's CR, EN, CL, GS ---
+    # --- GTAFL / CReFF (docs/design.md §4); the four ablation switches are Table IV's CR, EN, CL, GS ---
     cr: bool = True  # classifier retraining on global federated features (off: predict with the FedAvg head)
     en: bool = True  # forward/uniform/backward expert ensemble (off: the uniform expert alone)
     cl: bool = True  # server-side SimCLR refinement of the extractor
@@ -69,21 +69,21 @@ class RunConfig:
     gff_m: int = 100  # m: base synthetic features per class and expert
     # λ: forward/backward experts hold m + λ·d_c features of class c (d_c its global training count). null: λ =
     # m / mean_c d_c, so the forward bank's class c holds m·(1 + d_c/mean d) whatever the data's size (0.0999 on
-    # DermaMNIST, where 0.1 was chosen on validation data, docs/design.md; the paper's fixed 0.01 left the experts
+    # DermaMNIST, where 0.1 was chosen on validation data, docs/decisions.md; the paper's fixed 0.01 left the experts
     # nearly equal there). A number is the paper's fixed λ.
     gff_lambda: float | None = None
     grad_samples: int = 32  # samples per local class for the client's expert gradients
     match_steps: int = 100  # GFF matching SGD steps per round
     match_lr: float = 0.1  # GFF matching learning rate (CReFF: 0.1)
     # expert retraining epochs over its bank per round; null: 300 for creff (as published), 100 for gtafl (warm
-    # experts need fewer; 100 and 150 matched 300 on validation at a third of the cost, docs/design.md)
+    # experts need fewer; 100 and 150 matched 300 on validation at a third of the cost, docs/decisions.md)
     retrain_epochs: int | None = None
     retrain_lr: float = 0.01  # expert retraining SGD learning rate (CReFF: 0.01)
     retrain_batch: int = 32  # expert retraining batch size
     expert_init: str = "warm"  # warm: experts continue from last round; fresh: re-initialised each round (CReFF)
     # where the GFF banks start: normal = N(0, 1) (CReFF as published; in the centred frame it is zero-mean like
     # the centred real features) | stats = N(μ_c, diag σ_c²) from the clients' per-class feature sums; stats
-    # measured worse on validation (docs/design.md)
+    # measured worse on validation (docs/decisions.md)
     bank_init: str = "normal"
     # how banks built from statistics stay where the real features are as the extractor moves, every round:
     # recentre (shift each bank's class mean to μ_c) | standardise (also rescale to σ_c) | penalty (a term in the
@@ -98,7 +98,7 @@ class RunConfig:
     # for one last expert retraining (no local training); 0 turns this finishing round off; null: 1 for gtafl,
     # 0 for creff (as published)
     final_round_frac: float | None = None
-    # the head that client gradients and GFF matching are computed at: each expert's own (DESIGN.md §4),
+    # the head that client gradients and GFF matching are computed at: each expert's own (docs/design.md §4),
     # or the uniform expert's for every bank (a diagnostic for the experts' inverted specialisation)
     match_head: str = "own"
     # how the experts combine: hard (uniform expert breaks ties) | soft | confidence | learned (soft with per-expert
@@ -123,7 +123,7 @@ class RunConfig:
     calib_source: str = "experts"
     adapt_sizes: str = "100,500"  # unlabeled images per prior estimate in the evaluation, comma-separated
     adapt_draws: int = 5  # draws of unlabeled images per distribution and size in the evaluation
-    # --- ViT-DAFL (DESIGN.md §5) ---
+    # --- ViT-DAFL (docs/design.md §5) ---
     loss: str = "dafl"  # dafl | focal | ce (the loss ablation)
     gamma_init: float = 2.0  # focusing parameter γ at the start (learnable for dafl unless gamma_fixed)
     gamma_fixed: bool = False  # keep γ at gamma_init instead of learning it
