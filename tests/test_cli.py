@@ -143,6 +143,17 @@ def test_explain_a_gtafl_resnet8_checkpoint_writes_a_png_heatmap(gtafl_run, tmp_
         im.verify()
     with Image.open(out) as im:
         assert im.format == "PNG" and im.size == (64, 64) and im.mode == "RGB"
+    # a DICOM goes through the service's decoder too (CT_small: 128x128, modality LUT, min-max)
+    import pydicom.data
+
+    dcm = pydicom.data.get_testdata_file("CT_small.dcm")
+    assert main(["explain", str(gtafl_run / "final.pt"), dcm, "--out", str(out)]) == 0
+    with Image.open(out) as im:
+        assert im.size == (128, 128)
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not an image")
+    assert main(["explain", str(gtafl_run / "final.pt"), str(bad), "--out", str(out)]) != 0
+    assert "cannot read image" in capsys.readouterr().err
 
 
 def test_flower_engine_without_the_federated_extra_names_it(tmp_path, monkeypatch, capsys):

@@ -121,9 +121,9 @@ def explain_checkpoint(checkpoint: str | Path, image: str | Path, out: str | Pat
     """`tafl explain`: a heatmap of one image under a saved model, written as an overlay PNG."""
     from PIL import Image
 
-    from tafl.errors import ConfigError, DataError
+    from tafl.errors import ConfigError
     from tafl.imaging.heatmap import overlay
-    from tafl.imaging import Preprocess
+    from tafl.imaging import Preprocess, decode_file
     from tafl.training.checkpoint import load_checkpoint
     from tafl.training.methods import GlobalState
     from tafl.training.models import ModelConfig, build_model
@@ -131,16 +131,11 @@ def explain_checkpoint(checkpoint: str | Path, image: str | Path, out: str | Pat
     ck = load_checkpoint(checkpoint)
     mcfg = ModelConfig.from_dict(ck["model_config"])
     pre = Preprocess.from_dict(ck["preprocess"])
-    try:
-        with Image.open(image) as im:
-            im.load()
-            pil = im.copy()
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cannot read image {image}: {exc}") from exc
+    frame = decode_file(image).frames[0]  # the service's decoder: DICOM, EXIF, alpha as served (a DataError else)
     model = build_model(mcfg).eval()
     state = GlobalState.from_dict(ck["state"])
     model.load_state_dict(state.weights)
-    x = torch.from_numpy(pre([pil]))
+    x = torch.from_numpy(pre([frame]))
     experts = state.extras.get("expert.weight")
     with torch.no_grad():
         feats = model.features(x)
@@ -166,7 +161,7 @@ def explain_checkpoint(checkpoint: str | Path, image: str | Path, out: str | Pat
     else:
         with torch.no_grad():  # the CAM is plain inference: no graph to keep (numpy refuses a tensor that has one)
             heat = class_activation_map(model.extractor, head_w, x, label)
-    rgb = np.asarray(pil.convert("RGB"))
+    rgb = np.stack([frame] * 3, -1) if frame.ndim == 2 else frame
     Image.fromarray(overlay(rgb, heat[0].detach().numpy())).save(out)
     c = int(label[0])
     return {"label": c, "class_name": ck["class_names"][c], "probability": float(probs[0, c]),
