@@ -413,3 +413,20 @@ def test_score_with_an_adaptive_prior_re_decides_every_row_without_a_second_infe
     assert ex["prior"]["used"] == "explicit"
     with pytest.raises(ConfigError, match="sum to 1"):
         score_folder(few, tmp_path / "bad.csv", package=str(gtafl_pkg), progress=False, prior=",".join(["0.2"] * C))
+
+
+def test_the_readme_client_example_runs_as_written(server, tmp_path, monkeypatch, capsys):
+    """The README's Python block, with only the URL and the file path pointed at this test's service."""
+    import re
+    from pathlib import Path
+
+    import pydicom.data
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert "from tafl.clients import Client, ServiceCallError" in block
+    (tmp_path / "scan.dcm").write_bytes(Path(pydicom.data.get_testdata_file("CT_small.dcm")).read_bytes())
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.replace("http://127.0.0.1:3000", server.url), "README.md", "exec"), {})
+    out = capsys.readouterr().out.split()
+    assert len(out) >= 2 and 0 <= float(out[1]) <= 1
