@@ -179,3 +179,12 @@ def test_dicom_pixels_reach_the_training_row_inverted_for_monochrome1(tmp_path, 
                        .resize((pre.size, pre.size), Image.Resampling.BILINEAR)).astype(int)
     # MONOCHROME1: high values are dark, so the row is the inverse of the plain stretch
     assert np.abs(mono1 - (255 - plain)).mean() < 3 and np.abs(mono1 - plain).mean() > 50
+
+
+def test_an_oversized_training_file_is_refused_before_it_is_read(tmp_path):
+    from tafl.imaging import decode_file
+
+    big = tmp_path / "big.png"
+    big.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(2 * 2**20))
+    with pytest.raises(DataError, match=r"big\.png: the file is 2\.0 MiB, over the 1 MiB limit"):
+        decode_file(big, max_bytes=2**20)

@@ -92,6 +92,10 @@ def decode_file(path: str | Path, *, max_bytes: int = 512 * 2**20, max_pixels: i
     multi-frame file an error. Any failure is a DataError that names the file and says why."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > max_bytes:  # before reading: a huge file must not be loaded to be refused
+            raise DataError(f"cannot read image {path}: the file is {size / 2**20:.1f} MiB, over the "
+                            f"{max_bytes / 2**20:.0f} MiB limit for one training image")
         data = path.read_bytes()
     except OSError as exc:
         raise DataError(f"cannot read image {path}: {exc.strerror or exc}") from exc
