@@ -1,7 +1,7 @@
 """The Python client of the tafl service: `Client(url)` and `AsyncClient(url)`.
 
 Both wrap an httpx client (connection pooling), retry with exponential backoff on connection
-errors and 503, never on 4xx, and turn every service error into `ServiceCallError` carrying the
+errors, 502-504 and 429 (the service at its max_concurrency), never on other 4xx, and turn every service error into `ServiceCallError` carrying the
 HTTP status, the service's error code and message, and the request id. Results are typed.
 
     with Client("http://127.0.0.1:3000", token=None) as c:
@@ -22,7 +22,7 @@ import httpx
 
 from tafl.errors import ServiceCallError  # defined in the one exception tree; re-exported here
 
-RETRY_STATUS = {502, 503, 504}
+RETRY_STATUS = {429, 502, 503, 504}  # 429: the service is at its max_concurrency
 # connection failures worth another attempt (a restarting or briefly overloaded service)
 RETRY_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
                 httpx.ConnectTimeout, httpx.PoolTimeout)

@@ -17,15 +17,18 @@ import hmac
 import json
 import logging
 import os
+import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse as _StarletteJSON
+from starlette.responses import Response
 from starlette.routing import Route
 
 from tafl.errors import (BadRequest, ConfigError, PayloadTooLarge, ServiceError, ServiceUnavailable,
@@ -62,6 +65,8 @@ class Settings:
     prior_window: int = 500  # calibrated probability vectors kept per model for the case-mix estimate
     prior_refresh: int = 50  # served images between two estimates
     prior_min_images: int = 100  # fewer images behind the estimate: prior=adaptive falls back to the source prior
+    max_request_frames: int = 256  # decoded frames in one request, all its files together (/predict/batch)
+    max_request_pixels: int = 100_000_000  # decoded pixels in one request, all its files together
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -83,7 +88,9 @@ class Settings:
                    audit_path=env.get("TAFL_AUDIT_LOG") or None,
                    prior_window=int(env.get("TAFL_PRIOR_WINDOW", "500")),
                    prior_refresh=int(env.get("TAFL_PRIOR_REFRESH", "50")),
-                   prior_min_images=int(env.get("TAFL_PRIOR_MIN_IMAGES", "100")))
+                   prior_min_images=int(env.get("TAFL_PRIOR_MIN_IMAGES", "100")),
+                   max_request_frames=int(env.get("TAFL_MAX_REQUEST_FRAMES", "256")),
+                   max_request_pixels=int(float(env.get("TAFL_MAX_REQUEST_PIXELS", "100000000"))))
 
 
 class State:
@@ -125,6 +132,37 @@ def configure(settings: Settings, registry: ModelRegistry, counter: Any = None, 
         audit_log.addHandler(handler)
         audit_log.setLevel(logging.INFO)
         audit_log.propagate = False
+
+
+# ------------------------------------------------------------------ response helpers
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+class JSONResponse(_StarletteJSON):
+    """Starlette's JSON response, but a NaN or infinity (a package's stored metrics, a degenerate estimate) is
+    written as null instead of failing the request with a 500."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:  # "Out of range float values are not JSON compliant"
+            return super().render(_finite(content))
+
+
+def header_value(text: str) -> str:
+    """A header-safe form of a name (class, model): printable ASCII as is, anything else percent-encoded
+    (UTF-8), so a non-Latin class name neither fails the response nor loses its identity."""
+    if text.isascii() and text.isprintable():
+        return text
+    return quote(text, safe=" !#$&'()*+,-./:;<=>?@[]^_`{|}~")
 
 
 # ------------------------------------------------------------------ request helpers
@@ -351,8 +389,9 @@ async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     ratio, prior = _prior_choice(model, options)
     s = state.settings
     t0 = time.perf_counter()
-    decoded = await _off_loop(len(data), decode_image, data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels,
-                                      max_frames=s.max_frames)
+    decoded = await _off_loop(len(data), decode_image, data, max_bytes=s.max_upload_bytes,
+                              max_pixels=min(s.max_pixels, s.max_request_pixels),
+                              max_frames=min(s.max_frames, s.max_request_frames))
     t1 = time.perf_counter()
     out = await _infer(model, decoded.frames, ratio)
     t2 = time.perf_counter()
@@ -399,7 +438,11 @@ async def predict(request: Request) -> Response:
     return _fail(exc, rid, audit, start)
 
 
-def _fail(exc: Exception, rid: str, audit: dict[str, Any], start: float) -> JSONResponse:
+def _fail(exc: Exception, rid: str, audit: dict[str, Any], start: float) -> Response:
+    if isinstance(exc, ClientDisconnect):  # nobody is left to answer: no 500, no traceback, one audit line
+        log.info("request %s: the client disconnected before its upload was complete", rid)
+        _audit(**audit, status=499, error="ClientDisconnected", timing_ms=round(1000 * (time.perf_counter() - start), 2))
+        return Response(status_code=499, headers={"X-Request-ID": rid})
     resp = _error(exc, rid)
     if resp.status_code >= 500 and not isinstance(exc, ServiceUnavailable):
         log.error("request %s failed: %s", rid, type(exc).__name__, exc_info=exc)
@@ -420,11 +463,10 @@ async def heatmap(request: Request) -> Response:
         name = model.package.class_names[label]
         _count(model, name)
         _audit(**audit, status=200, label=label, class_name=name, timing_ms=round(1000 * (time.perf_counter() - start), 2))
-        safe = name.encode("ascii", "replace").decode()
-        return Response(png, media_type="image/png", headers={"X-Request-ID": rid, "X-Tafl-Label": str(label),
-                                                               "X-Tafl-Class": safe,
-                                                               "X-Tafl-Prior": out["_prior"]["used"],
-                                                               "X-Tafl-Model": f"{model.name}:{model.package.version}"})
+        return Response(png, media_type="image/png",
+                        headers={"X-Request-ID": rid, "X-Tafl-Label": str(label), "X-Tafl-Class": header_value(name),
+                                 "X-Tafl-Prior": out["_prior"]["used"],
+                                 "X-Tafl-Model": header_value(f"{model.name}:{model.package.version}")})
     except asyncio.TimeoutError:
         exc: Exception = ServiceUnavailable(f"the request took longer than {state.settings.timeout_s:g} s; try again")
     except Exception as e:  # noqa: BLE001
@@ -432,11 +474,25 @@ async def heatmap(request: Request) -> Response:
     return _fail(exc, rid, audit, start)
 
 
-def _decode_or_error(data: bytes, s: Settings):
-    try:
-        return decode_image(data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels, max_frames=s.max_frames)
-    except ServiceError as exc:
-        return exc
+def _decode_batch(files: list[bytes], s: Settings) -> list[Any]:
+    """Each file decoded (or its error), within the request's admission budget: all files together may decode
+    at most `max_request_frames` frames and `max_request_pixels` pixels. Each file is bounded by its own caps,
+    so the file that crosses the budget costs at most one file's worth before the request is refused (413)."""
+    frames_left, pixels_left, out = s.max_request_frames, s.max_request_pixels, []
+    for data in files:
+        try:
+            d = decode_image(data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels, max_frames=s.max_frames)
+        except ServiceError as exc:
+            out.append(exc)
+            continue
+        frames_left -= len(d.frames)
+        pixels_left -= sum(int(f.shape[0]) * int(f.shape[1]) for f in d.frames)
+        if frames_left < 0 or pixels_left < 0:
+            raise PayloadTooLarge(f"the request holds more than {s.max_request_frames} frames or "
+                                  f"{s.max_request_pixels:,} pixels in all its images together: send fewer or "
+                                  "smaller images per request")
+        out.append(d)
+    return out
 
 
 async def predict_batch(request: Request) -> Response:
@@ -458,7 +514,7 @@ async def predict_batch(request: Request) -> Response:
         ratio, prior = _prior_choice(model, options)
         prior["posteriors"] = _flag(options.get("posteriors", "false"), "posteriors")
         audit["prior"] = prior["used"]
-        decoded = await asyncio.to_thread(lambda: [_decode_or_error(f, s) for f in files])
+        decoded = await asyncio.to_thread(_decode_batch, files, s)
         frames = [d.frames for d in decoded if not isinstance(d, Exception)]
         out = await _infer(model, [f for fs in frames for f in fs], ratio) if frames else {}
         return model, decoded, out, prior
@@ -528,7 +584,16 @@ async def reload(request: Request) -> Response:
         return _fail(exc, rid, audit, start)
 
 
+async def openapi(request: Request) -> Response:
+    """The OpenAPI document of these routes (tafl.serving.openapi)."""
+    from tafl import __version__
+    from tafl.serving.openapi import spec
+
+    return JSONResponse(spec(__version__))
+
+
 app = Starlette(routes=[
+    Route("/openapi.json", openapi, methods=["GET"]),
     Route("/predict", predict, methods=["POST"]),
     Route("/predict/batch", predict_batch, methods=["POST"]),
     Route("/heatmap", heatmap, methods=["POST"]),

@@ -52,22 +52,37 @@ class Batcher:
         self.task: asyncio.Task | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tafl-infer")
         self.batch_sizes: list[int] = []  # the last few, for /models
+        self.isolated_failures = 0  # failed batches re-run request by request
 
     async def submit(self, x: np.ndarray, prior_ratio: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The model's outputs for x; `prior_ratio` (C,) decides these images for another prior (the graph's
-        log_prior_ratio input), while the rest of their batch keeps its own."""
+        log_prior_ratio input), while the rest of their batch keeps its own. A submission of more than
+        `max_batch` images is split into chunks of at most `max_batch`, so no model call grows past it."""
         if self.task is None or self.task.done():
             self.queue = asyncio.Queue()
             self.task = asyncio.get_running_loop().create_task(self._loop())
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        await self.queue.put((x, prior_ratio, fut))
-        return await fut
+        loop = asyncio.get_running_loop()
+        futs = []
+        for start in range(0, max(len(x), 1), self.max_batch):
+            fut: asyncio.Future = loop.create_future()
+            await self.queue.put((x[start:start + self.max_batch], prior_ratio, fut))
+            futs.append(fut)
+        if len(futs) == 1:
+            return await futs[0]
+        try:
+            parts = [await f for f in futs]
+        finally:
+            for f in futs:  # a cancelled request leaves no chunk waiting for the model
+                f.cancel()
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     async def _loop(self) -> None:
         assert self.queue is not None
         loop = asyncio.get_running_loop()
+        carry = None  # a submission that did not fit the last batch opens the next one
         while True:
-            items = [await self.queue.get()]
+            items = [carry if carry is not None else await self.queue.get()]
+            carry = None
             rows = len(items[0][0])
             deadline = loop.time() + self.max_wait
             while rows < self.max_batch:
@@ -81,6 +96,9 @@ class Batcher:
                         nxt = await asyncio.wait_for(self.queue.get(), left)
                     except asyncio.TimeoutError:
                         break
+                if rows + len(nxt[0]) > self.max_batch:  # no model call grows past max_batch
+                    carry = nxt
+                    break
                 items.append(nxt)
                 rows += len(nxt[0])
             live = [(x, r, f) for x, r, f in items if not f.done()]  # a timed-out request no longer waits
@@ -95,10 +113,15 @@ class Batcher:
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-100:]
             try:
                 out = await loop.run_in_executor(self.pool, self.run, batch, ratios)
-            except Exception as exc:  # noqa: BLE001 - handed to every waiting request
-                for _, _, f in live:
-                    if not f.done():
-                        f.set_exception(exc)
+            except Exception as exc:  # noqa: BLE001
+                if len(live) == 1:
+                    live[0][2].done() or live[0][2].set_exception(exc)
+                else:  # one request's images must not fail the others batched with it: run each alone
+                    self.isolated_failures += 1
+                    log.warning("a batch of %d requests failed (%s); running them one by one", len(live),
+                                type(exc).__name__)
+                    for x, r, f in live:
+                        await self._run_alone(loop, x, r, f)
                 continue
             start = 0
             for x, _, f in live:
@@ -106,6 +129,17 @@ class Batcher:
                 if not f.done():
                     f.set_result({k: v[start:start + n] for k, v in out.items()})
                 start += n
+
+    async def _run_alone(self, loop, x: np.ndarray, r: np.ndarray | None, f: asyncio.Future) -> None:
+        if f.done():
+            return
+        ratios = None if r is None else np.broadcast_to(np.asarray(r, np.float32), (len(x), len(r))).copy()
+        try:
+            out = await loop.run_in_executor(self.pool, self.run, x, ratios)
+        except Exception as exc:  # noqa: BLE001 - this request's own failure
+            f.done() or f.set_exception(exc)
+        else:
+            f.done() or f.set_result(out)
 
 
 class PriorMonitor:

@@ -9,6 +9,7 @@ live in `tafl.serving.app`; BentoML adds /healthz, /livez, /readyz and /metrics,
 from __future__ import annotations
 
 import logging
+import os
 
 import bentoml
 
@@ -35,7 +36,13 @@ CASE_MIX_SHIFT = bentoml.metrics.Gauge(
 )
 
 
-@bentoml.service(name="tafl", resources={"gpu": 1}, traffic={"timeout": 120, "concurrency": 64}, workers=1,
+# Admission: past `max_concurrency` requests in flight BentoML answers 429 at once (its health and metrics
+# routes are exempt), so a flood queues no unbounded work; read at import, as the decorator needs it.
+MAX_CONCURRENCY = int(os.environ.get("TAFL_MAX_CONCURRENCY", "128"))
+
+
+@bentoml.service(name="tafl", resources={"gpu": 1}, workers=1,
+                 traffic={"timeout": 120, "concurrency": 64, "max_concurrency": MAX_CONCURRENCY},
                  # the audit log already writes one JSON line per request; BentoML's access log and
                  # tracing would cost as much CPU again on a small machine. A sample rate of 0 still
                  # builds a span per request; excluding every URL makes the OpenTelemetry middleware

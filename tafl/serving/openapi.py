@@ -1,0 +1,136 @@
+"""The OpenAPI 3.0 document of the service's own routes, served at GET /openapi.json.
+
+It states what each route takes (a multipart form with the image in the field `file`, or the raw image
+body) and every status it answers with its body, so a client generator, an API gateway or a fuzzer
+(tests/serving/test_fuzz.py runs schemathesis against the live service with it) knows the contract.
+BentoML's own routes (/healthz, /livez, /readyz, /metrics) are not listed: they are BentoML's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ERROR = {
+    "type": "object", "required": ["error", "request_id"],
+    "properties": {
+        "error": {"type": "object", "required": ["status", "code", "message"],
+                  "properties": {"status": {"type": "integer"}, "code": {"type": "string"},
+                                 "message": {"type": "string"}}},
+        "request_id": {"type": "string"},
+    },
+}
+CLASS_MAP = {"type": "object", "additionalProperties": {"type": "number"}}
+EXPERT = {"type": "object", "required": ["name", "label", "class_name", "probability"],
+          "properties": {"name": {"type": "string"}, "label": {"type": "integer"}, "class_name": {"type": "string"},
+                         "probability": {"type": "number"}}}
+RESULT = {
+    "type": "object", "required": ["label", "class_name", "probability", "probabilities", "experts"],
+    "properties": {"label": {"type": "integer", "minimum": 0}, "class_name": {"type": "string"},
+                   "probability": {"type": "number", "minimum": 0, "maximum": 1},
+                   "probabilities": CLASS_MAP, "votes": CLASS_MAP, "experts": {"type": "array", "items": EXPERT},
+                   "calibrated_probabilities": CLASS_MAP},
+}
+MODEL_REF = {"type": "object", "required": ["name", "version", "method"],
+             "properties": {"name": {"type": "string"}, "version": {"type": "string"}, "method": {"type": "string"}}}
+PRIOR = {"type": "object", "required": ["used"], "properties": {"used": {"type": "string"}}}
+PREDICTION = {
+    "allOf": [RESULT, {
+        "type": "object", "required": ["request_id", "model", "input", "prior", "timing_ms"],
+        "properties": {"request_id": {"type": "string"}, "model": MODEL_REF, "prior": PRIOR,
+                       "input": {"type": "object", "required": ["kind", "frames", "size"],
+                                 "properties": {"kind": {"type": "string", "enum": ["png", "jpeg", "dicom"]},
+                                                "frames": {"type": "integer", "minimum": 1},
+                                                "size": {"type": "array", "items": {"type": "integer"}}}},
+                       "frames": {"type": "array", "items": RESULT},
+                       "heatmap": {"type": "object", "required": ["png_base64", "shape", "kind"],
+                                   "properties": {"png_base64": {"type": "string"}, "shape": {"type": "array"},
+                                                  "kind": {"type": "string"}}},
+                       "timing_ms": {"type": "object"}},
+    }],
+}
+BATCH = {
+    "type": "object", "required": ["request_id", "model", "prior", "results"],
+    "properties": {"request_id": {"type": "string"}, "model": MODEL_REF, "prior": PRIOR,
+                   "results": {"type": "array", "items": {"type": "object", "required": ["index"],
+                                                          "properties": {"index": {"type": "integer"},
+                                                                         "error": ERROR["properties"]["error"]}}},
+                   "timing_ms": {"type": "object"}},
+}
+OPTIONS = {
+    "model": {"type": "string", "description": "the model's name (default: the first package loaded)"},
+    "heatmap": {"type": "string", "description": "true: add the heatmap overlay (PNG, base64)"},
+    "prior": {"type": "string", "description": "train (default), adaptive, or one probability per class, "
+                                               "comma-separated"},
+    "posteriors": {"type": "string", "description": "true: add the calibrated probabilities under the prior"},
+}
+BINARY = {"type": "string", "format": "binary"}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    why = {400: "a bad option, field or body", 401: "a missing or wrong bearer token",
+           403: "reloading is not allowed", 404: "no such model", 413: "the upload, image or request is too large",
+           415: "not a DICOM, PNG or JPEG", 422: "an image that cannot be decoded",
+           429: "too many requests in flight", 503: "the request took longer than its deadline"}
+    return {str(c): {"description": why[c], "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            for c in codes}
+
+
+def _image_body(many: bool) -> dict[str, Any]:
+    props: dict[str, Any] = {"file": {"type": "array", "items": BINARY, "minItems": 1} if many else BINARY}
+    props.update(OPTIONS)
+    content: dict[str, Any] = {"multipart/form-data": {"schema": {"type": "object", "required": ["file"],
+                                                                  "properties": props}}}
+    if not many:  # the raw image as the body, the options in the query
+        for media in ("image/png", "image/jpeg", "application/dicom", "application/octet-stream"):
+            content[media] = {"schema": BINARY}
+    return {"required": True, "content": content}
+
+
+QUERY = [{"name": k, "in": "query", "required": False, "schema": v} for k, v in OPTIONS.items()]
+
+
+def spec(version: str) -> dict[str, Any]:
+    image_errors = (400, 401, 404, 413, 415, 422, 429, 503)
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "tafl", "version": version,
+                 "description": "Classifies DICOM, PNG and JPEG images with federated long-tail models "
+                                "(docs/design.md §7). Every error is JSON with a status, a code and a message."},
+        "components": {
+            "schemas": {"Error": ERROR, "Prediction": PREDICTION, "Batch": BATCH},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "TAFL_API_TOKEN (routes), TAFL_ADMIN_TOKEN (/admin/reload)"}},
+        },
+        "security": [{"bearer": []}, {}],
+        "paths": {
+            "/predict": {"post": {
+                "summary": "classify one image: label, probabilities, each expert's vote, optionally the heatmap",
+                "parameters": QUERY, "requestBody": _image_body(False),
+                "responses": {"200": {"description": "the prediction", "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Prediction"}}}},
+                    **_errors(*image_errors)}}},
+            "/predict/batch": {"post": {
+                "summary": "classify several images (the field 'file', repeated): one result or error per image",
+                "parameters": [q for q in QUERY if q["name"] != "heatmap"], "requestBody": _image_body(True),
+                "responses": {"200": {"description": "one result per image, in order", "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Batch"}}}},
+                    **_errors(*image_errors)}}},
+            "/heatmap": {"post": {
+                "summary": "the heatmap overlay of one image as a PNG; the label in X-Tafl-Label / X-Tafl-Class",
+                "parameters": QUERY, "requestBody": _image_body(False),
+                "responses": {"200": {"description": "the overlay", "content": {"image/png": {"schema": BINARY}}},
+                              **_errors(*image_errors)}}},
+            "/models": {"get": {
+                "summary": "the loaded packages: metadata, card, providers, case-mix estimate",
+                "responses": {"200": {"description": "the models", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["models"], "properties": {"models": {"type": "array"}}}}}},
+                    **_errors(401)}}},
+            "/admin/reload": {"post": {
+                "summary": "load a package (a BentoML tag or a folder under the package root) and make it answer",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["package"], "properties": {"package": {"type": "string"}}}}}},
+                "responses": {"200": {"description": "the new version answers", "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["model", "version"]}}}},
+                    **_errors(400, 401, 403, 404, 413, 429, 503)}}},
+        },
+    }
