@@ -206,6 +206,14 @@ def _port_or_free(port: int) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from tafl.serving.launch import serve
 
+    # the service reads these from its environment, which `serve` hands on; its own pre-check reads them too
+    if ns.trusted_keys:
+        from tafl.packaging.signing import load_trusted_keys
+
+        load_trusted_keys(ns.trusted_keys)  # a bad key path fails here, not in the worker
+        os.environ["TAFL_TRUSTED_KEYS"] = ns.trusted_keys
+    if ns.package_root:
+        os.environ["TAFL_PACKAGE_ROOT"] = str(Path(ns.package_root).resolve())
     print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (Ctrl-C stops)", flush=True)
     return serve(ns.packages, ns.host, ns.port, ns.token)
 
@@ -223,13 +231,25 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from tafl.packaging.export import export_checkpoint
 
     pkg = export_checkpoint(ns.checkpoint, ns.out, name=ns.name, parent=ns.parent, images=ns.images,
-                            data_root=ns.data_root, force=ns.force, to_bentoml=ns.to_bentoml)
+                            data_root=ns.data_root, force=ns.force, to_bentoml=ns.to_bentoml,
+                            sign_key=ns.sign_key)
     v = pkg.metadata["verification"]
     print(f"{pkg.name} {pkg.version} -> {pkg.path} (parent {pkg.metadata['parent_version'] or 'none'}); "
           f"ONNX Runtime vs PyTorch: max |dprob| {v['max_abs_prob_diff']:.1e}, max |dheatmap| "
           f"{v['max_abs_heatmap_diff']:.1e}")
+    print(f"signed by key {pkg.signed_by} (SHA256SUMS.sig)" if pkg.signed_by else
+          "unsigned (services with TAFL_TRUSTED_KEYS refuse it; sign with --sign-key)")
     if ns.to_bentoml:
         print(f"stored in the BentoML model store as {ns.to_bentoml}:{pkg.version.replace('.', '_')}")
+    return 0
+
+
+def cmd_keys_new(ns: argparse.Namespace) -> int:
+    from tafl.packaging.signing import new_keypair
+
+    priv, pub, kid = new_keypair(ns.out, ns.name)
+    print(f"key id {kid}\n  private key {priv} (mode 0600: keep it secret; `tafl export ... --sign-key {priv}`)\n"
+          f"  public key  {pub} (give it to services: TAFL_TRUSTED_KEYS={pub})")
     return 0
 
 
@@ -409,7 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--data-root", help="where the run's dataset lies now, for the verification images")
     xp.add_argument("--force", action="store_true", help="replace an existing package in --out")
     xp.add_argument("--to-bentoml", metavar="NAME", help="also store the package in the BentoML model store")
+    xp.add_argument("--sign-key", metavar="KEY", help="Ed25519 private key (`tafl keys new`) that signs the package's "
+                                                      "SHA256SUMS (default $TAFL_SIGNING_KEY; unset: unsigned)")
     xp.set_defaults(func=cmd_export)
+
+    ky = sub.add_parser("keys", help="package signing keys (Ed25519)")
+    kys = ky.add_subparsers(dest="keys_verb", required=True, metavar="ACTION")
+    kn = kys.add_parser("new", help="a new key pair: DIR/NAME.key (private, 0600) and DIR/NAME.pub")
+    kn.add_argument("--out", required=True, metavar="DIR", help="folder for the key files (created 0700)")
+    kn.add_argument("--name", default="tafl-signing", help="file name stem (default tafl-signing)")
+    kn.set_defaults(func=cmd_keys_new)
 
     pk = sub.add_parser("packages", help="model packages: list versions, metrics and lineage")
     pks = pk.add_subparsers(dest="packages_verb", required=True, metavar="ACTION")
@@ -463,6 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=3000)
     sv.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $TAFL_API_TOKEN or none)")
+    sv.add_argument("--trusted-keys", metavar="KEYS", help="public key files or folders of *.pub files, "
+                    "comma-separated: only packages signed by one of them load (default $TAFL_TRUSTED_KEYS)")
+    sv.add_argument("--package-root", metavar="DIR", help="folders /admin/reload may load lie inside DIR "
+                    "(default $TAFL_PACKAGE_ROOT; unset: BentoML tags only)")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="train GTAFL on the embedded digits, export, serve and call the service")

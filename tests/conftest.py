@@ -98,8 +98,9 @@ def server(gtafl_pkg, dafl_pkg, bentoml_home, audit_file, tmp_path_factory):
     from tafl.serving.launch import ServerProcess
 
     log = tmp_path_factory.mktemp("svc") / "service.log"
+    # reloads may name folders under the session's temporary root (every tmp_path lies inside it)
     env = {"BENTOML_HOME": str(bentoml_home), "TAFL_AUDIT_LOG": str(audit_file), "TAFL_MAX_UPLOAD_MB": "8",
-           "TAFL_ADMIN_TOKEN": "admin-test-token"}
+           "TAFL_ADMIN_TOKEN": "admin-test-token", "TAFL_PACKAGE_ROOT": str(tmp_path_factory.getbasetemp())}
     with ServerProcess([str(gtafl_pkg), str(dafl_pkg)], env=env, log_path=log) as srv:
         yield srv
 

@@ -28,7 +28,7 @@ from torch import nn
 import tafl
 from tafl.errors import PackageError
 from tafl.packaging.card import render_card
-from tafl.packaging.package import (SCHEMA, ModelPackage, bump_minor, load_package, sha256_file, write_checksums)
+from tafl.packaging.package import SCHEMA, ModelPackage, bump_minor, load_package, write_checksums
 from tafl.imaging import Preprocess
 from tafl.training.ensemble import ExpertEnsemble, vote_weights
 from tafl.training.explain import _to_image, install_taps, rollout_from, vit_grid
@@ -337,9 +337,18 @@ def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: boo
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | None = None,
                       parent: str | Path | None = None, images: str | None = None, data_root: str | None = None,
-                      force: bool = False, to_bentoml: str | None = None) -> ModelPackage:
+                      force: bool = False, to_bentoml: str | None = None,
+                      sign_key: str | Path | None = None) -> ModelPackage:
+    """`sign_key`: an Ed25519 private key (PEM path, `tafl keys new`) that signs SHA256SUMS; None reads
+    TAFL_SIGNING_KEY (unset: the package is unsigned)."""
+    import os
+
+    from tafl.packaging.signing import SIGNING_ENV, TRUSTED_ENV, load_private_key
+
     from tafl.training.checkpoint import load_checkpoint
 
+    sign_key = sign_key or os.environ.get(SIGNING_ENV, "").strip() or None
+    signer = load_private_key(sign_key) if sign_key else None  # a bad key fails before the minutes of export
     ck_path = Path(checkpoint)
     ck = load_checkpoint(ck_path)
     out = Path(out)
@@ -358,10 +367,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
         check = _verify_with_prior(graph, onnx_path, x, names)
         metrics = _metrics_from(ck_path)
         meta = _metadata(ck, mcfg, pre, graph, names, experts, vote, pkg_name, lineage, metrics, check)
-        _write_package(tmpd, meta, ck_path, out)
-    pkg = load_package(out)
-    log.info("exported %s %s to %s (max |Δp| %.1e, max |Δheatmap| %.1e)", pkg.name, pkg.version, out,
-             check["max_abs_prob_diff"], check["max_abs_heatmap_diff"])
+        _write_package(tmpd, meta, ck_path, out, signer)
+    # a signed package is checked against its own key; an unsigned one without keys (it is the consumer's trust
+    # list that refuses it), with a warning where this environment has one
+    if signer is None and os.environ.get(TRUSTED_ENV, "").strip():
+        log.warning("%s is unsigned, and %s is set here: services with trusted keys will refuse it; export with "
+                    "--sign-key (or TAFL_SIGNING_KEY)", out, TRUSTED_ENV)
+    pkg = load_package(out, trusted_keys=[signer.public_key()] if signer is not None else ())
+    log.info("exported %s %s to %s (max |Δp| %.1e, max |Δheatmap| %.1e)%s", pkg.name, pkg.version, out,
+             check["max_abs_prob_diff"], check["max_abs_heatmap_diff"],
+             f", signed by key {pkg.signed_by}" if pkg.signed_by else ", unsigned")
     if to_bentoml:
         from tafl.packaging.store import to_bentoml as store
 
@@ -391,7 +406,7 @@ def _lineage(ck: dict[str, Any], parent: str | Path | None) -> dict[str, Any]:
     if parent_pkg is not None:
         return {"version": bump_minor(parent_pkg.version), "parent_version": parent_pkg.version,
                 "name": parent_pkg.name, "parent": {"name": parent_pkg.name, "version": parent_pkg.version,
-                                                    "model_sha256": sha256_file(parent_pkg.model_path)}}
+                                                    "model_sha256": parent_pkg.files["model.onnx"]}}
     if parent_info:
         return {"version": bump_minor(parent_info["version"]), "parent_version": parent_info["version"],
                 "name": parent_info["name"], "parent": parent_info}
@@ -456,13 +471,17 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
     }
 
 
-def _write_package(tmpd: Path, meta: dict[str, Any], ck_path: Path, out: Path) -> None:
-    """metadata.json, the model card, the checkpoint and SHA256SUMS beside model.onnx in `tmpd`; then `tmpd`
-    replaces `out`."""
+def _write_package(tmpd: Path, meta: dict[str, Any], ck_path: Path, out: Path, signer: Any = None) -> None:
+    """metadata.json, the model card, the checkpoint and SHA256SUMS (and its signature, with a `signer`) beside
+    model.onnx in `tmpd`; then `tmpd` replaces `out`."""
     (tmpd / "metadata.json").write_text(json.dumps(meta, indent=2))
     (tmpd / "README.md").write_text(render_card(meta))
     shutil.copyfile(ck_path, tmpd / "checkpoint.pt")
     write_checksums(tmpd, ["model.onnx", "metadata.json", "README.md", "checkpoint.pt"])
+    if signer is not None:
+        from tafl.packaging.signing import sign_package
+
+        sign_package(tmpd, signer)
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)

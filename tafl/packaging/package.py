@@ -6,16 +6,20 @@ without PyTorch (docs/design.md §6).
     README.md       the model card, generated from the metadata
     checkpoint.pt   the training checkpoint, so `tafl retrain --from PKG` can continue training
     SHA256SUMS      one line per file above: "<sha256>  <name>"
+    SHA256SUMS.sig  optional: an Ed25519 signature over the exact bytes of SHA256SUMS (tafl.packaging.signing)
 
 `load_package` verifies every checksum and the metadata schema and refuses a tampered or
-incomplete package with a `PackageError` that names the problem.
+incomplete package with a `PackageError` that names the problem. With trusted keys (the argument,
+or TAFL_TRUSTED_KEYS) it also refuses an unsigned package, an unknown signer and a bad signature.
+model.onnx is read once: the bytes that were hashed are the bytes ONNX Runtime is given.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,8 @@ from tafl.imaging import Preprocess
 SCHEMA = "tafl-model-package/1"
 REQUIRED_FILES = ("model.onnx", "metadata.json", "README.md")
 SUMS = "SHA256SUMS"
+MAX_SUMS_BYTES = 1 << 20  # a manifest of a handful of lines; anything larger is not one
+IN_MEMORY = ("model.onnx", "metadata.json", "README.md")  # hashed from the bytes that are then used
 VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
 
 # key -> type(s) the metadata must hold
@@ -62,6 +68,9 @@ class ModelPackage:
     path: Path
     metadata: dict[str, Any]
     card: str
+    files: dict[str, str] = field(default_factory=dict)  # name -> the sha256 SHA256SUMS lists (and the file had)
+    signed_by: str | None = None  # the trusted key id whose signature was verified; None: not checked
+    _model_bytes: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -89,11 +98,36 @@ class ModelPackage:
 
     @property
     def checkpoint_path(self) -> Path | None:
+        """checkpoint.pt when SHA256SUMS lists it and it still has the listed digest (a checkpoint is a pickle:
+        one the manifest does not cover is never offered for loading)."""
         p = self.path / "checkpoint.pt"
-        return p if p.is_file() else None
+        digest = self.files.get("checkpoint.pt")
+        if digest is None or not p.is_file():
+            return None
+        if sha256_file(p) != digest:
+            raise PackageError(f"{self.name} {self.version}: checksum mismatch for checkpoint.pt: the file was "
+                               "modified after the package was loaded")
+        return p
+
+    def model_bytes(self) -> bytes:
+        """The verified bytes of model.onnx: those load_package hashed, or (after `release_model_bytes`) the file
+        read again and checked against the same digest."""
+        if self._model_bytes is not None:
+            return self._model_bytes
+        data = self.model_path.read_bytes()
+        want = self.files.get("model.onnx")
+        if want is None or hashlib.sha256(data).hexdigest() != want:
+            raise PackageError(f"{self.name} {self.version}: checksum mismatch for model.onnx: the file was "
+                               "modified after the package was loaded")
+        return data
+
+    def release_model_bytes(self) -> None:
+        """Drop the in-memory copy of model.onnx (an ONNX Runtime session holds its own)."""
+        self._model_bytes = None
 
     def session(self, providers: list[str] | None = None, threads: int | None = None):
-        """An ONNX Runtime session, CUDA first where it is available (FIELD-NOTES: preload its DLLs)."""
+        """An ONNX Runtime session, CUDA first where it is available (FIELD-NOTES: preload its DLLs), built from
+        the verified bytes of model.onnx, never from the path after the check."""
         import onnxruntime as ort
 
         if providers is None:
@@ -112,10 +146,15 @@ class ModelPackage:
             opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
         use = [p for p in providers if p in available] or ["CPUExecutionProvider"]
+        data = self.model_bytes()
         try:
-            return ort.InferenceSession(str(self.model_path), sess_options=opts, providers=use)
+            sess = ort.InferenceSession(data, sess_options=opts, providers=use)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own types
-            raise PackageError(f"{self.model_path}: ONNX Runtime cannot load the graph ({exc})") from exc
+            raise PackageError(f"{self.name} {self.version}: ONNX Runtime cannot load model.onnx "
+                               f"({str(exc)[:300]})") from exc
+        del data
+        self.release_model_bytes()  # the session holds the graph; a second session re-reads and re-checks
+        return sess
 
     def run(self, session, images: np.ndarray | list, log_prior_ratio: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Run the graph on a normalised float batch (N, C, H, W) or a list of images/arrays; `log_prior_ratio`
@@ -176,39 +215,86 @@ def validate_metadata(meta: Any, where: str = "metadata.json") -> None:
             raise PackageError(f"{where}: each expert needs a 'name' and a numeric 'weight'")
 
 
-def load_package(path: str | Path) -> ModelPackage:
-    """Verify checksums and metadata; a tampered or incomplete package is refused."""
+def load_package(path: str | Path, trusted_keys: Any = None) -> ModelPackage:
+    """Verify the signature (when keys are configured), the checksums and the metadata; a tampered, unsigned
+    or incomplete package is refused with a PackageError.
+
+    `trusted_keys`: None reads TAFL_TRUSTED_KEYS (unset: signatures are not required); `()` or an empty list
+    turns the check off; else public key files, folders of `*.pub` files, a comma-separated string of them, or
+    a `signing.TrustedKeys`. model.onnx, metadata.json and README.md are hashed from the bytes kept and used."""
+    from tafl.packaging.signing import (
+        SIG,
+        load_trusted_keys,
+        trusted_keys_from_env,
+        verify_signature,
+    )
+
+    trusted = trusted_keys_from_env() if trusted_keys is None else load_trusted_keys(trusted_keys)
     folder = Path(path)
     if not folder.is_dir():
         raise PackageError(f"model package not found: {folder} is not a folder")
     sums = folder / SUMS
     if not sums.is_file():
         raise PackageError(f"{folder}: incomplete package, {SUMS} is missing")
+    sums_bytes = _read_small(sums, MAX_SUMS_BYTES)
+    signed_by = None
+    if trusted:
+        sig = folder / SIG
+        try:
+            verify_from = _read_small(sig, 4096) if sig.is_file() else None
+            signed_by = verify_signature(sums_bytes, verify_from, trusted)
+        except PackageError as exc:
+            raise PackageError(f"{folder}: {exc.message}") from None
+    try:
+        text = sums_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PackageError(f"{sums}: not UTF-8 text") from None
     listed: dict[str, str] = {}
-    for i, line in enumerate(sums.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         parts = line.strip().split(maxsplit=1)
         if not parts:
             continue
         if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{64}", parts[0]):
             raise PackageError(f"{sums}:{i}: malformed line")
-        listed[parts[1].lstrip("*")] = parts[0]
+        name = parts[1].lstrip("*")
+        if "/" in name or "\\" in name or ".." in name or name in (SUMS, SIG):
+            raise PackageError(f"{sums}: refuses path {name!r}")
+        if name in listed:
+            raise PackageError(f"{sums}: lists {name} twice")
+        listed[name] = parts[0]
     for name in REQUIRED_FILES:
         if name not in listed:
             raise PackageError(f"{folder}: {SUMS} does not cover {name}")
+    kept: dict[str, bytes] = {}
     for name, digest in listed.items():
         f = folder / name
-        if "/" in name or ".." in name:
-            raise PackageError(f"{sums}: refuses path {name!r}")
         if not f.is_file():
             raise PackageError(f"{folder}: incomplete package, {name} is missing")
-        if sha256_file(f) != digest:
+        if name in IN_MEMORY:
+            kept[name] = f.read_bytes()
+            got = hashlib.sha256(kept[name]).hexdigest()
+        else:
+            got = sha256_file(f)
+        if got != digest:
             raise PackageError(f"{folder}: checksum mismatch for {name}: the file was modified after export")
     try:
-        meta = json.loads((folder / "metadata.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise PackageError(f"{folder / 'metadata.json'}: not valid JSON ({exc})") from exc
+        meta = json.loads(kept["metadata.json"])
+    except (ValueError, RecursionError) as exc:
+        raise PackageError(f"{folder / 'metadata.json'}: not valid JSON ({str(exc)[:120]})") from exc
     validate_metadata(meta, str(folder / "metadata.json"))
-    return ModelPackage(folder, meta, (folder / "README.md").read_text())
+    try:
+        card = kept["README.md"].decode("utf-8")
+    except UnicodeDecodeError:
+        raise PackageError(f"{folder / 'README.md'}: the model card is not UTF-8 text") from None
+    return ModelPackage(folder, meta, card, files=listed, signed_by=signed_by, _model_bytes=kept["model.onnx"])
+
+
+def _read_small(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise PackageError(f"{path}: {len(data)}+ bytes, larger than such a file can be")
+    return data
 
 
 def list_packages(root: str | Path) -> list[dict[str, Any]]:

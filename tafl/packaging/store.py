@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from tafl.errors import PackageError
 from tafl.packaging.package import ModelPackage, load_package
 
-FILES = ("model.onnx", "metadata.json", "README.md", "checkpoint.pt", "SHA256SUMS")
+FILES = ("model.onnx", "metadata.json", "README.md", "checkpoint.pt", "SHA256SUMS", "SHA256SUMS.sig")
 
 
 def to_bentoml(pkg: ModelPackage, name: str) -> str:
@@ -32,17 +33,18 @@ def to_bentoml(pkg: ModelPackage, name: str) -> str:
     return f"{name}:{version}"
 
 
-def from_bentoml(tag: str) -> ModelPackage:
-    """Load (and verify) a package from the BentoML model store by tag."""
+def from_bentoml(tag: str, trusted_keys: Any = None) -> ModelPackage:
+    """Load (and verify: checksums, and the signature where keys are configured; `trusted_keys` as in
+    `load_package`) a package from the BentoML model store by tag."""
     import bentoml
 
     try:
         model = bentoml.models.get(tag)
     except bentoml.exceptions.NotFound as exc:
-        import os
-
-        home = os.environ.get("BENTOML_HOME", "~/bentoml")
-        raise PackageError(f"no model '{tag}' in the BentoML model store ({home}): store one with "
+        raise PackageError(f"no model '{tag}' in the BentoML model store: store one with "
                            "`tafl export CKPT --out PKG --to-bentoml NAME`, or set TAFL_PACKAGES to package "
                            "folders or tags") from exc
-    return load_package(model.path)
+    except (bentoml.exceptions.BentoMLException, ValueError) as exc:  # an invalid tag
+        raise PackageError(f"'{tag[:80]}' is not a BentoML model tag (name[:version]: lower-case letters, digits, "
+                           "'-', '_', '.')") from exc
+    return load_package(model.path, trusted_keys)

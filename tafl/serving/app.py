@@ -52,7 +52,8 @@ TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 class Settings:
     packages: list[str]
     token: str | None = None  # bearer token for /predict, /heatmap, /models; None: open
-    admin_token: str | None = None  # bearer token for /admin/reload; defaults to `token`; None: reload disabled
+    admin_token: str | None = None  # bearer token for /admin/reload (TAFL_ADMIN_TOKEN only); None: reload disabled
+    package_root: str | None = None  # folders /admin/reload may load lie inside it; None: BentoML tags only
     max_upload_bytes: int = 50 * 2**20
     max_pixels: int = 50_000_000
     max_frames: int = 64
@@ -76,7 +77,9 @@ class Settings:
         # the bento's envs outside a container)
         refs = [r.strip() for r in env.get("TAFL_PACKAGES", DEFAULT_PACKAGE).split(",") if r.strip()]
         token = env.get("TAFL_API_TOKEN") or None
-        return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or token,
+        # the admin token never falls back to the API token: a client that may predict may not swap the model
+        return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or None,
+                   package_root=env.get("TAFL_PACKAGE_ROOT", "").strip() or None,
                    max_upload_bytes=int(float(env.get("TAFL_MAX_UPLOAD_MB", "50")) * 2**20),
                    max_pixels=int(float(env.get("TAFL_MAX_PIXELS", "50000000"))),
                    max_frames=int(env.get("TAFL_MAX_FRAMES", "64")),
@@ -559,28 +562,52 @@ async def models(request: Request) -> Response:
 
 
 async def reload(request: Request) -> Response:
-    """Swap in a new package version without a restart; requests in flight finish on the old one."""
+    """Swap in a new package version without a restart; requests in flight finish on the old one.
+
+    Off (403) without TAFL_ADMIN_TOKEN; the API token is not enough (401). The body is {"package": REF}: a
+    BentoML tag, or a folder inside TAFL_PACKAGE_ROOT (tafl.serving.runtime.reload_target). No response or
+    log line names a host path; a package that fails verification answers 400 and the old version stays."""
+    from tafl.errors import PackageError
+    from tafl.serving.runtime import Forbidden, reload_error, reload_target, scrub_paths
+
     rid = uuid.uuid4().hex[:16]
     start = time.perf_counter()
     audit: dict[str, Any] = {"request_id": rid, "route": "/admin/reload"}
+    usage = 'send JSON: {"package": "<BentoML tag, or a folder under the package root>"}'
     try:
         if state.settings.admin_token is None:
-            raise Unauthorized("reloading is disabled: start the service with TAFL_ADMIN_TOKEN (or TAFL_API_TOKEN)")
+            raise Forbidden("reloading is disabled: this service was started without TAFL_ADMIN_TOKEN (the API "
+                            "token does not allow reloads)")
         _check_auth(request, state.settings.admin_token, "/admin/reload")
+        body = await _read_body(request, 64 * 1024)
         try:
-            payload = json.loads(await _read_body(request, 64 * 1024) or b"{}")
-        except json.JSONDecodeError as exc:
-            raise BadRequest("send JSON: {\"package\": \"<folder or BentoML tag>\"}") from exc
-        ref = payload.get("package") if isinstance(payload, dict) else None
-        if not isinstance(ref, str) or not ref:
-            raise BadRequest("send JSON: {\"package\": \"<folder or BentoML tag>\"}")
-        new, old = await asyncio.to_thread(state.registry.swap, ref)
+            payload = json.loads(body) if body.strip() else None
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deeply
+            raise BadRequest(f"the body is not JSON; {usage}") from None
+        if not isinstance(payload, dict):
+            raise BadRequest(f"the body is not a JSON object; {usage}")
+        if set(payload) - {"package"}:
+            raise BadRequest(f"unknown field(s) {sorted(map(str, set(payload) - {'package'}))[:5]}; {usage}")
+        target = reload_target(payload.get("package"), state.settings.package_root)
+        audit["package"] = target.label
+        try:
+            new, old = await asyncio.to_thread(state.registry.swap, target.ref, target.label)
+        except PackageError as exc:
+            raise reload_error(exc, target) from None
+        except TaflError as exc:
+            exc.message = scrub_paths(exc.message, target)
+            exc.args = (exc.message,)
+            raise
         body = {"request_id": rid, "model": new.name, "version": new.package.version,
-                "previous_version": old.package.version if old else None, "providers": new.providers}
+                "previous_version": old.package.version if old else None, "providers": new.providers,
+                "source": target.label, "signed_by": new.package.signed_by}
         _audit(**audit, status=200, model=new.name, version=new.package.version,
                timing_ms=round(1000 * (time.perf_counter() - start), 2))
         return JSONResponse(body, headers={"X-Request-ID": rid})
     except Exception as exc:  # noqa: BLE001
+        if not isinstance(exc, TaflError):  # a failure with an unknown message: never let it name a host path
+            log.error("reload %s failed: %s", rid, type(exc).__name__)
+            exc = ServiceError("the reload failed; the served models are unchanged")
         return _fail(exc, rid, audit, start)
 
 

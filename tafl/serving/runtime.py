@@ -6,7 +6,9 @@ provider second; the providers actually in use are logged and reported. `Batcher
 adaptive batching of the model call: requests queue per model; the dispatcher takes whatever is
 waiting (up to `max_batch` images, waiting at most `max_wait_ms` for company), so an idle service
 answers a lone request at once while a busy one forms larger batches on its own. A new package
-version can be swapped in while the old one finishes its in-flight requests (`swap`).
+version can be swapped in while the old one finishes its in-flight requests (`swap`); what a
+reload may load is `reload_target`'s policy (BentoML tags, or folders inside TAFL_PACKAGE_ROOT), and
+with TAFL_TRUSTED_KEYS every load verifies the package's Ed25519 signature first.
 No torch here: serving runs ONNX Runtime only.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,22 +26,127 @@ from typing import Any
 
 import numpy as np
 
-from tafl.errors import NotFound, PackageError
+from tafl.errors import BadRequest, NotFound, PackageError, ServiceError
 from tafl.packaging.package import ModelPackage, load_package
 
 log = logging.getLogger("tafl.serving")
 
 
-def resolve_package(ref: str) -> ModelPackage:
-    """A folder path, or a BentoML model tag (`name` or `name:version`)."""
+TAG_PART = re.compile(r"^[a-z0-9]([-._a-z0-9]*[a-z0-9])?$")  # BentoML's tag grammar, for a name and a version
+TAG_MAX = 63
+
+
+def is_bentoml_tag(ref: str) -> bool:
+    """`name` or `name:version` in BentoML's grammar (lower-case letters, digits, '-', '_', '.'; at most 63
+    characters each, starting and ending with a letter or digit)."""
+    name, sep, version = ref.partition(":")
+    parts = [name, version] if sep else [name]
+    return all(len(p) <= TAG_MAX and TAG_PART.match(p) for p in parts)
+
+
+def resolve_package(ref: str, trusted_keys: Any = None) -> ModelPackage:
+    """A folder path, or a BentoML model tag (`name` or `name:version`). `trusted_keys` as in `load_package`
+    (None: TAFL_TRUSTED_KEYS)."""
     p = Path(ref).expanduser()
     if p.is_dir():
-        return load_package(p)
+        return load_package(p, trusted_keys)
     if "/" in ref or ref.startswith("."):
         raise PackageError(f"model package folder not found: {ref}")
+    if not is_bentoml_tag(ref):
+        raise PackageError(f"{ref[:80]!r} is neither a package folder nor a BentoML model tag (name[:version]: "
+                           "lower-case letters, digits, '-', '_', '.')")
     from tafl.packaging.store import from_bentoml
 
-    return from_bentoml(ref if ":" in ref else f"{ref}:latest")
+    return from_bentoml(ref if ":" in ref else f"{ref}:latest", trusted_keys)
+
+
+# ------------------------------------------------------------------ /admin/reload: what may be loaded
+class Forbidden(ServiceError):
+    """The request is understood and refused by the service's configuration (403)."""
+
+    status = 403
+
+
+@dataclass(frozen=True)
+class ReloadTarget:
+    ref: str  # what the registry loads: a resolved folder or a tag
+    label: str  # what responses, /models and logs show: the tag, or the folder relative to the package root
+    root: Path | None = None
+    folder: Path | None = None
+
+
+MAX_REF = 1024
+_ABS_PATH = re.compile(r"(?<![\w.\-])(?:[A-Za-z]:)?[/\\][^\s'\"()\[\],;]+")
+
+
+def reload_target(ref: Any, package_root: str | None) -> ReloadTarget:
+    """Check a /admin/reload `package` against the policy: a BentoML tag (name[:version]), or a folder (a value
+    with a '/' or starting with '.': relative to TAFL_PACKAGE_ROOT, or absolute) that resolves, symlinks
+    followed, inside TAFL_PACKAGE_ROOT, with every file in it inside too. Without a package root only tags
+    are accepted. Errors never repeat the path given."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise BadRequest('send JSON: {"package": "<BentoML tag, or a folder under the package root>"}')
+    ref = ref.strip()
+    if len(ref) > MAX_REF or "\x00" in ref:
+        raise BadRequest("'package' is too long or holds a NUL character")
+    if not ("/" in ref or "\\" in ref or ref.startswith((".", "~"))):
+        if not is_bentoml_tag(ref):
+            raise BadRequest("'package' is not a BentoML model tag: name[:version], lower-case letters, digits, "
+                             "'-', '_' and '.', at most 63 characters each (a folder under the package root "
+                             "is given with a '/', e.g. ./NAME)")
+        return ReloadTarget(ref if ":" in ref else f"{ref}:latest", ref if ":" in ref else f"{ref}:latest")
+    if not package_root:
+        raise Forbidden("reloading from folders is disabled: this service has no TAFL_PACKAGE_ROOT; send a "
+                        "BentoML model tag, or start the service with TAFL_PACKAGE_ROOT")
+    if "\\" in ref or ref.startswith("~"):
+        raise BadRequest("'package' folders are POSIX paths under the package root ('/', no '\\' or '~')")
+    try:
+        root = Path(package_root).resolve(strict=True)
+    except (OSError, RuntimeError, ValueError):
+        raise Forbidden("reloading from folders is disabled: the configured package root is not a folder") from None
+    if not root.is_dir():
+        raise Forbidden("reloading from folders is disabled: the configured package root is not a folder")
+    given = Path(ref)
+    try:
+        folder = (given if given.is_absolute() else root / given).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, an odd name
+        raise BadRequest("'package' does not name a folder under the package root") from None
+    if folder == root or not folder.is_relative_to(root):
+        raise Forbidden("'package' is not a folder under the package root (after following symlinks and '..'); "
+                        "only packages under TAFL_PACKAGE_ROOT may be loaded")
+    rel = folder.relative_to(root).as_posix()
+    label = f"package-root:{rel}"
+    if not folder.is_dir():
+        raise PackageError(f"no package folder '{rel}' under the package root")
+    try:
+        entries = list(folder.iterdir())
+        outside = [e for e in entries if not e.resolve().is_relative_to(root)]
+    except (OSError, RuntimeError):
+        raise PackageError(f"the package folder '{rel}' under the package root cannot be read") from None
+    if outside:
+        raise Forbidden(f"the package folder '{rel}' holds {len(outside)} link(s) that lead outside the package "
+                        "root; packages must lie wholly inside it")
+    return ReloadTarget(str(folder), label, root, folder)
+
+
+def scrub_paths(message: str, target: ReloadTarget | None = None) -> str:
+    """`message` without host paths: the target folder becomes its label, the package root a placeholder,
+    any other absolute path '<path>'."""
+    if target is not None and target.folder is not None:
+        message = message.replace(str(target.folder), target.label)
+    if target is not None and target.root is not None:
+        message = message.replace(str(target.root), "<package root>")
+    return _ABS_PATH.sub("<path>", message)
+
+
+def reload_error(exc: PackageError, target: ReloadTarget) -> PackageError:
+    """A reload's PackageError as a message without host paths."""
+    what = (f"the package '{target.label.removeprefix('package-root:')}' under the package root"
+            if target.folder is not None else f"the BentoML model '{target.label}'")
+    reason = scrub_paths(exc.message, target)
+    if target.folder is not None:
+        reason = reason.replace(f"{target.label}/", "").replace(f"{target.label}: ", "")
+    return PackageError(f"{what} was refused: {reason}")
 
 
 class Batcher:
@@ -224,7 +332,8 @@ class LoadedModel:
     def describe(self) -> dict[str, Any]:
         sizes = self.batcher.batch_sizes
         return {"name": self.name, "version": self.package.version, "source": self.source,
-                "providers": self.providers, "metadata": self.package.metadata, "card": self.package.card,
+                "providers": self.providers, "signed_by": self.package.signed_by,
+                "metadata": self.package.metadata, "card": self.package.card,
                 "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at)),
                 "recent_batch_sizes": {"count": len(sizes), "mean": float(np.mean(sizes)) if sizes else None,
                                        "max": max(sizes) if sizes else None},
@@ -234,7 +343,15 @@ class LoadedModel:
 class ModelRegistry:
     def __init__(self, refs: list[str], *, providers: list[str] | None = None, threads: int | None = None,
                  max_batch: int = 64, max_wait_ms: float = 2.0, prior_window: int = 500, prior_refresh: int = 50,
-                 prior_min_images: int = 100):
+                 prior_min_images: int = 100, trusted_keys: Any = None):
+        from tafl.packaging.signing import load_trusted_keys, trusted_keys_from_env
+
+        # read once: every load and reload verifies against the keys the service started with (None:
+        # TAFL_TRUSTED_KEYS; with keys, unsigned and tampered packages are refused)
+        self.trusted_keys = trusted_keys_from_env() if trusted_keys is None else load_trusted_keys(trusted_keys)
+        if self.trusted_keys:
+            log.info("packages must be signed by one of %d trusted key(s): %s", len(self.trusted_keys.ids),
+                     ", ".join(self.trusted_keys.ids))
         self.prior_window, self.prior_refresh, self.prior_min_images = prior_window, prior_refresh, prior_min_images
         if not refs:
             raise PackageError("no model packages configured: set TAFL_PACKAGES to package folders or BentoML tags")
@@ -250,12 +367,14 @@ class ModelRegistry:
             self.models[m.name] = m
             self.order.append(m.name)
 
-    def _load(self, ref: str) -> LoadedModel:
-        pkg = resolve_package(ref)
-        session = pkg.session(self.providers, self.threads)
+    def _load(self, ref: str, label: str | None = None) -> LoadedModel:
+        """`label`: what logs and /models show for `ref` (a reload's never names a host path)."""
+        pkg = resolve_package(ref, self.trusted_keys)
+        session = pkg.session(self.providers, self.threads)  # from the verified bytes of model.onnx
         used = session.get_providers()
-        log.info("loaded model package %s %s from %s; ONNX Runtime providers in use: %s", pkg.name, pkg.version, ref,
-                 used)
+        log.info("loaded model package %s %s from %s (%s); ONNX Runtime providers in use: %s", pkg.name,
+                 pkg.version, label or ref, f"signed by key {pkg.signed_by}" if pkg.signed_by else "signature not "
+                 "checked: no trusted keys", used)
         if "CUDAExecutionProvider" in self.providers and "CUDAExecutionProvider" not in used:
             log.info("%s runs on the CPU (no usable CUDA provider)", pkg.name)
         input_name = pkg.metadata["input"]["name"]
@@ -273,7 +392,8 @@ class ModelRegistry:
 
         monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
                                self.prior_refresh, self.prior_min_images) if takes_prior else None
-        return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, ref, monitor=monitor)
+        return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, label or ref,
+                           monitor=monitor)
 
     def get(self, name: str | None) -> LoadedModel:
         with self.lock:
@@ -283,9 +403,10 @@ class ModelRegistry:
                 raise NotFound(f"no model named '{name}'; loaded: {', '.join(self.order)}")
             return self.models[name]
 
-    def swap(self, ref: str) -> tuple[LoadedModel, LoadedModel | None]:
-        """Load a package and make it answer for its name; requests already holding the old one finish on it."""
-        new = self._load(ref)
+    def swap(self, ref: str, label: str | None = None) -> tuple[LoadedModel, LoadedModel | None]:
+        """Load a package and make it answer for its name; requests already holding the old one finish on it.
+        A package that fails verification raises before anything changes: the old version keeps answering."""
+        new = self._load(ref, label)
         with self.lock:
             old = self.models.get(new.name)
             self.models[new.name] = new

@@ -248,7 +248,9 @@ def test_batch_endpoint_answers_each_image_in_order(server):
 
 
 def test_reload_of_a_bad_package_answers_the_package_error_status(server, tmp_path):
-    """A PackageError on /admin/reload answers tafl.errors' status (400), not 404, and the served models stay."""
+    """A PackageError on /admin/reload answers tafl.errors' status (400), not 404, and the served models stay;
+    the folders lie under the service's TAFL_PACKAGE_ROOT (the session's temporary root), and no answer names
+    a host path."""
     from tafl.errors import PackageError
 
     broken = tmp_path / "broken-pkg"
@@ -261,6 +263,7 @@ def test_reload_of_a_bad_package_answers_the_package_error_status(server, tmp_pa
         assert r.status_code == PackageError.status == 400, (ref, r.status_code, r.text[:300])
         err = r.json()["error"]
         assert err["status"] == 400 and err["code"] == "PackageError" and len(err["message"]) > 10, ref
+        assert str(tmp_path.parent) not in r.text and "/tmp" not in r.text, r.text[:300]
     after = httpx.get(f"{server.url}/models", timeout=30).json()["models"]
     assert [(m["name"], m["version"]) for m in after] == [(m["name"], m["version"]) for m in before]
     assert post(server, digit_png(2)).status_code == 200
