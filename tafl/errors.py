@@ -13,6 +13,7 @@ Third-party errors are wrapped at the boundary (``raise DataError(...) from exc`
     └── ServiceError             errors the service answers with their own status
         ├── BadRequest           400
         ├── Unauthorized         401
+        ├── Forbidden            403 (refused by the service's configuration: reload)
         ├── NotFound             404
         ├── PayloadTooLarge      413
         ├── UnsupportedMedia     415
@@ -64,6 +65,12 @@ class BadRequest(ServiceError):
 
 class Unauthorized(ServiceError):
     status = 401
+
+
+class Forbidden(ServiceError):
+    """The request is understood and refused by the service's configuration (403)."""
+
+    status = 403
 
 
 class NotFound(ServiceError):

@@ -568,7 +568,8 @@ async def reload(request: Request) -> Response:
     BentoML tag, or a folder inside TAFL_PACKAGE_ROOT (tafl.serving.runtime.reload_target). No response or
     log line names a host path; a package that fails verification answers 400 and the old version stays."""
     from tafl.errors import PackageError
-    from tafl.serving.runtime import Forbidden, reload_error, reload_target, scrub_paths
+    from tafl.errors import Forbidden
+    from tafl.serving.runtime import reload_error, reload_target, scrub_paths
 
     rid = uuid.uuid4().hex[:16]
     start = time.perf_counter()

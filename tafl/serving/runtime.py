@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tafl.errors import BadRequest, NotFound, PackageError, ServiceError
+from tafl.errors import BadRequest, Forbidden, NotFound, PackageError
 from tafl.packaging.package import ModelPackage, load_package
 
 log = logging.getLogger("tafl.serving")
@@ -61,12 +61,6 @@ def resolve_package(ref: str, trusted_keys: Any = None) -> ModelPackage:
 
 
 # ------------------------------------------------------------------ /admin/reload: what may be loaded
-class Forbidden(ServiceError):
-    """The request is understood and refused by the service's configuration (403)."""
-
-    status = 403
-
-
 @dataclass(frozen=True)
 class ReloadTarget:
     ref: str  # what the registry loads: a resolved folder or a tag

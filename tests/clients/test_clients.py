@@ -338,7 +338,7 @@ def test_retrain_export_reload_loop(gtafl_pkg, tmp_path):
     assert r.returncode == 0, r.stderr
     meta = json.loads((pkg2 / "metadata.json").read_text())
     assert meta["name"] == "derm-gtafl" and meta["version"] == "1.1.0" and meta["parent_version"] == "1.0.0"
-    env = {"BENTOML_HOME": str(tmp_path / "bentoml"), "TAFL_ADMIN_TOKEN": "admin"}
+    env = {"BENTOML_HOME": str(tmp_path / "bentoml"), "TAFL_ADMIN_TOKEN": "admin", "TAFL_PACKAGE_ROOT": str(tmp_path)}
     with ServerProcess([str(gtafl_pkg)], env=env, log_path=tmp_path / "svc.log") as srv, Client(srv.url) as c:
         assert c.predict(digit_png(1)).model_version == "1.0.0"
         with pytest.raises(ServiceCallError) as e:

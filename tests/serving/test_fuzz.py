@@ -10,10 +10,8 @@ The budgets are fixed (examples per route, derandomised) so the suite's time doe
 
 from __future__ import annotations
 
-import io
 
 import httpx
-import numpy as np
 import pydicom
 import pytest
 from hypothesis import HealthCheck, given, settings
