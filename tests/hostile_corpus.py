@@ -355,3 +355,13 @@ HEAVY_VALID = {
 
 def read(data: bytes) -> Dataset:  # for debugging a builder
     return pydicom.dcmread(BytesIO(data), force=True)
+
+
+def warning_dicom(secret: str = "S3CR3T!!") -> bytes:
+    """An image whose Number of Frames (IS) holds `secret` (8 characters), which pydicom warns and logs
+    about, quoting it, when the decoder reads it: a stand-in for a tag value in a log."""
+    assert len(secret) == 8
+    ds = _dataset(64, 64, frames=12345678)
+    ds.PixelData = (np.arange(64 * 64) % 251).astype(np.uint8).tobytes()
+    data = _file(ds, ExplicitVRLittleEndian)
+    return data.replace(b"IS\x08\x0012345678", b"IS\x08\x00" + secret.encode(), 1)

@@ -229,6 +229,7 @@ def _decode_raster(data: bytes, kind: str, max_pixels: int) -> DecodedImage:
 def _decode_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int) -> DecodedImage:
     """Read and render a DICOM file; anything unforeseen becomes a generic 422 (never a raw error).
     pydicom's warnings and log records are dropped by the filters `_silence_pydicom` installed."""
+    _ensure_silenced()
     try:
         return _render_dicom(data, max_bytes, max_pixels, max_frames)
     except ServiceError:
@@ -436,12 +437,20 @@ def _silence_pydicom() -> None:
     if not any(isinstance(f, _DropPydicom) for f in logger.filters):
         logger.addFilter(_DropPydicom())
         logger.addHandler(_DropHandler())
-        logger.propagate = False
-    warnings.filterwarnings("ignore", module=r"pydicom(\.|$)")
+    logger.propagate = False
     warnings.filterwarnings("ignore", module=re.escape(__name__) + "$")
+    warnings.filterwarnings("ignore", module=r"pydicom(\.|$)")
 
 
 _silence_pydicom()
+_OUR_FILTERS = tuple(warnings.filters[:2])
+
+
+def _ensure_silenced() -> None:
+    """Each DICOM decode: put the filters back in front if the application has since added its own
+    (e.g. `warnings.simplefilter('always')`); a cheap check, and no swap of global state."""
+    if tuple(warnings.filters[:2]) != _OUR_FILTERS or logging.getLogger("pydicom").propagate:
+        _silence_pydicom()
 
 
 def pydicom_records_dropped() -> int:
@@ -554,10 +563,7 @@ def _scan_dicom(data: bytes, *, max_elements: int, max_depth: int, probe: bool =
         st.deflated = True
         return st
     little = st.ts != ExplicitVRBigEndian
-    if st.ts is None or pos + 6 > end:
-        explicit = data[pos + 4:pos + 6] in _ALL_VRS
-    else:
-        explicit = st.ts != ImplicitVRLittleEndian
+    explicit = _explicit_here(data, pos, st.ts != ImplicitVRLittleEndian if st.ts else True)
     try:
         _walk(data, pos, end, explicit, little, 0, st, max_elements, max_depth, probe)
     except (IndexError, struct.error, ValueError):
@@ -638,13 +644,22 @@ def _walk_items(data: bytes, pos: int, stop: int, explicit: bool, little: bool, 
         st.elements += 1
         if st.elements > max_elements:
             raise _Limit("elements")
+        item_explicit = _explicit_here(data, pos, explicit)
         if length == _UNDEFINED:
-            pos = _walk(data, pos, len(data), explicit, little, depth, st, max_elements, max_depth, probe)
+            pos = _walk(data, pos, len(data), item_explicit, little, depth, st, max_elements, max_depth, probe)
         else:
-            _walk(data, pos, min(stop, pos + length), explicit, little, depth, st, max_elements, max_depth,
+            _walk(data, pos, min(stop, pos + length), item_explicit, little, depth, st, max_elements, max_depth,
                   probe)
             pos += length
     return pos
+
+
+def _explicit_here(data: bytes, pos: int, default: bool) -> bool:
+    """Whether the data set at `pos` is explicit VR, from its first element, as pydicom decides (it
+    reads a file whose transfer syntax says one and whose bytes say the other by its bytes)."""
+    if pos + 6 > len(data) or data[pos:pos + 4] in (b"\xfe\xff\x0d\xe0", b"\xff\xfe\xe0\x0d"):
+        return default
+    return data[pos + 4:pos + 6] in _ALL_VRS
 
 
 def _skip_items(data: bytes, pos: int, end: int, u32: struct.Struct, u16: struct.Struct) -> int:
@@ -709,7 +724,7 @@ def _inflate(data: bytes, scan: _Scan, limit: int) -> bytes:
         raise UnprocessableImage("the DICOM file's header is corrupt: export it again and resend it")
     start, length = scan.ts_value
     new_ts = str(ExplicitVRLittleEndian).encode() + b"\x00"  # 20 bytes, even
-    head = bytearray(data[:start] + new_ts + data[start + length:scan.body])
+    head = bytearray(data[:start - 2] + len(new_ts).to_bytes(2, "little") + new_ts + data[start + length:scan.body])
     if scan.group_length is not None:
         old = int.from_bytes(head[scan.group_length:scan.group_length + 4], "little")
         head[scan.group_length:scan.group_length + 4] = (old + len(new_ts) - length).to_bytes(4, "little")
