@@ -348,8 +348,19 @@ CONTROLS = {
 }
 
 # Valid inputs whose decode cost the fix must bound (they decode, in less memory than before).
+def png_palette_noise(side: int = 7000) -> bytes:
+    """A 1-bit palette PNG of noise: side² pixels in side²/8 bytes, too random for the ratio guard."""
+    bits = np.random.default_rng(0).integers(0, 2, (side, side), dtype=np.uint8)
+    im = Image.fromarray(bits, "L").convert("P")
+    im.putpalette([0, 0, 0, 255, 255, 255])
+    buf = BytesIO()
+    im.save(buf, format="PNG", bits=1)
+    return buf.getvalue()
+
+
 HEAVY_VALID = {
     "rle_16bit_4096": rle_big_grey,
+    "png_1bit_palette_noise_7000": png_palette_noise,
 }
 
 

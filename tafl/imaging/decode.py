@@ -336,31 +336,52 @@ _CHUNK_PIXELS = 1 << 20  # the grey pipeline's float64 temporaries are bounded t
 def _render_grey(arr: np.ndarray, ds: pydicom.Dataset, *, invert: bool) -> tuple[np.ndarray, str]:
     """Modality LUT, first VOI LUT or window, per-frame min-max to uint8, MONOCHROME1 inversion.
 
-    pydicom's LUT functions return float64; they are elementwise, so they run on chunks of rows and
-    each chunk is kept as float32 (what the min-max stretch used anyway): the temporaries stay at
-    about 8 bytes × _CHUNK_PIXELS instead of 16 bytes per pixel of the whole series."""
+    pydicom's LUT functions return float64; they are elementwise, so they run on blocks of at most
+    _CHUNK_PIXELS (several small frames, or rows of a large one) kept as float32 (what the min-max
+    stretch used anyway): temporaries of about 12 bytes × _CHUNK_PIXELS plus 4 bytes per pixel of
+    one frame, instead of 16 bytes per pixel of the whole series."""
     want_voi = bool(ds.get("VOILUTSequence") or ("WindowCenter" in ds and "WindowWidth" in ds))
-    windowing = "min-max"
-    step = max(1, _CHUNK_PIXELS // max(1, arr.shape[2]))
-    out = np.empty(arr.shape[:3], dtype=np.uint8)
-    frame_f32 = np.empty(arr.shape[1:3], dtype=np.float32)
-    for i in range(arr.shape[0]):
-        for r in range(0, arr.shape[1], step):
-            values = apply_modality_lut(arr[i, r:r + step], ds)
-            if want_voi:
-                try:
-                    values = apply_voi_lut(values, ds, index=0, prefer_lut=True)
-                    windowing = "VOI LUT" if ds.get("VOILUTSequence") else "window centre/width"
-                except Exception:  # a broken window should not reject the image: fall back to min-max
-                    log.debug("VOI LUT / window unusable, using min-max")
-                    want_voi = False
-                    if i or r:  # some chunks were windowed: start again with min-max throughout
-                        return _render_grey(arr, _without_voi(ds), invert=invert)
-            frame_f32[r:r + step] = values
-        out[i] = minmax_u8(frame_f32)
+    state = {"voi": want_voi, "windowing": "min-max", "used": False}
+
+    def luts(block: np.ndarray) -> np.ndarray:
+        values = apply_modality_lut(block, ds)
+        if state["voi"]:
+            try:
+                values = apply_voi_lut(values, ds, index=0, prefer_lut=True)
+                state["windowing"] = "VOI LUT" if ds.get("VOILUTSequence") else "window centre/width"
+            except Exception:  # a broken window should not reject the image: fall back to min-max
+                log.debug("VOI LUT / window unusable, using min-max")
+                if state["used"]:  # some blocks were windowed already: start again, min-max throughout
+                    raise _RestartMinMax from None
+                state["voi"] = False
+        state["used"] = True
+        return values
+
+    n, h, w = arr.shape[:3]
+    out = np.empty((n, h, w), dtype=np.uint8)
+    try:
+        if h * w <= _CHUNK_PIXELS:  # whole frames, several at a time
+            k = max(1, _CHUNK_PIXELS // max(1, h * w))
+            for g in range(0, n, k):
+                block = np.asarray(luts(arr[g:g + k]), dtype=np.float32)
+                for j in range(block.shape[0]):
+                    out[g + j] = minmax_u8(block[j], overwrite=True)
+        else:  # one frame at a time, in blocks of rows
+            step = max(1, _CHUNK_PIXELS // max(1, w))
+            frame = np.empty((h, w), dtype=np.float32)
+            for i in range(n):
+                for r in range(0, h, step):
+                    frame[r:r + step] = luts(arr[i, r:r + step])
+                out[i] = minmax_u8(frame, overwrite=True)
+    except _RestartMinMax:
+        return _render_grey(arr, _without_voi(ds), invert=invert)
     if invert:
         np.subtract(255, out, out=out)
-    return out, windowing
+    return out, state["windowing"]
+
+
+class _RestartMinMax(Exception):
+    pass
 
 
 def _without_voi(ds: pydicom.Dataset) -> pydicom.Dataset:

@@ -12,13 +12,24 @@ from PIL import Image
 _CHUNK_PIXELS = 1 << 20  # temporaries are bounded to this many pixels at a time
 
 
-def minmax_u8(values: np.ndarray) -> np.ndarray:
-    """Stretch [min, max] to [0, 255]; a constant (or all-NaN) image becomes zeros; NaN and ±inf count as 0."""
-    values = np.nan_to_num(np.asarray(values, dtype=np.float32), nan=0.0, posinf=0.0, neginf=0.0)
-    lo, hi = float(values.min()), float(values.max())
+def minmax_u8(values: np.ndarray, *, overwrite: bool = False) -> np.ndarray:
+    """Stretch [min, max] to [0, 255]; a constant (or all-NaN) image becomes zeros; NaN and ±inf count as 0.
+
+    One float32 copy of the input (none with `overwrite`, when `values` is a float32 array the caller
+    gives up), then in-place arithmetic: the same numbers as the out-of-place formula."""
+    if overwrite and isinstance(values, np.ndarray) and values.dtype == np.float32:
+        work = values
+    else:
+        work = np.array(values, dtype=np.float32, copy=True)
+    np.nan_to_num(work, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+    lo, hi = float(work.min()), float(work.max())
     if hi <= lo:
-        return np.zeros(values.shape, dtype=np.uint8)
-    return np.clip(np.rint((values - lo) * (255.0 / (hi - lo))), 0, 255).astype(np.uint8)
+        return np.zeros(work.shape, dtype=np.uint8)
+    work -= lo
+    work *= 255.0 / (hi - lo)
+    np.rint(work, out=work)
+    np.clip(work, 0, 255, out=work)
+    return work.astype(np.uint8)
 
 
 def _onto_black(colour: np.ndarray, alpha: np.ndarray) -> np.ndarray:
@@ -40,7 +51,8 @@ def _palette_rgb(im: Image.Image) -> np.ndarray:
     """A 'P' image through its palette (and transparency) onto black: a 256-entry table, then indexing."""
     table = Image.new("P", (256, 1))
     table.putdata(list(range(256)))
-    table.palette = im.palette.copy()
+    mode = im.palette.mode if im.palette.mode in ("RGB", "RGBA") else "RGB"
+    table.putpalette(im.getpalette(mode), mode)
     if "transparency" in im.info:
         table.info["transparency"] = im.info["transparency"]
     rgba = np.asarray(table.convert("RGBA"), dtype=np.uint8)[0]
