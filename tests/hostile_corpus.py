@@ -229,10 +229,11 @@ def segmented_lut_valid() -> bytes:
     return palette_dicom(struct.pack("<6H", 0, 1, 0, 1, 255, 65535))
 
 
-def segmented_lut_bomb(scale: int = 1) -> bytes:
-    """About 70 KB: 4000 × scale linear segments of 65535 entries per colour (262 M entries each)."""
-    n = 4000 * scale
-    return palette_dicom(struct.pack("<3H", 0, 1, 0) + struct.pack("<3H", 1, 65535, 100) * n)
+def segmented_lut_bomb(n: int = 3700) -> bytes:
+    """About 71 KB: `n` linear segments of 65535 entries per colour, ramping 0 → 65535 → 0 → ...
+    (242 M entries per colour; as pydicom expands them, a Python list of distinct ints: ~36 bytes each)."""
+    ramps = struct.pack("<6H", 1, 65535, 65535, 1, 65535, 0) * (n // 2)
+    return palette_dicom(struct.pack("<3H", 0, 1, 0) + ramps)
 
 
 def segmented_lut_indirect(scale: int = 1) -> bytes:
@@ -275,9 +276,9 @@ def deep_sequence(depth: int = 5000) -> bytes:
     return _with_sequence(inner)
 
 
-def huge_sequence(scale: int = 1) -> bytes:
-    """About 6 MB × scale: one sequence of 750 000 × scale empty defined-length items."""
-    items = b"\xfe\xff\x00\xe0\x00\x00\x00\x00" * (750_000 * scale)
+def huge_sequence(items: int = 750_000) -> bytes:
+    """About 6 MB: one sequence of 750 000 empty defined-length items."""
+    items = b"\xfe\xff\x00\xe0\x00\x00\x00\x00" * items
     return _with_sequence(_sq(0x00091001, items))
 
 
@@ -360,6 +361,7 @@ def png_palette_noise(side: int = 7000) -> bytes:
 
 HEAVY_VALID = {
     "rle_16bit_4096": rle_big_grey,
+    "sequence_just_under_the_element_cap": lambda: huge_sequence(9_900),
     "png_1bit_palette_noise_7000": png_palette_noise,
 }
 
