@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import hostile_corpus as hc
 from tafl.errors import PayloadTooLarge, ServiceError, UnprocessableImage
 from tafl.imaging import decode_image
 from tafl.imaging.decode import UNKNOWN_NBYTES, decoded_nbytes
+from tests import hostile_corpus as hc
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "S3CR3T!!"  # stands in for a patient's name: must never reach a message or a log
@@ -144,7 +144,7 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_every_hostile_class_is_refused_in_bounded_memory():
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(REPO)], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(REPO)], env=env, capture_output=True, check=False,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     measured = json.loads(res.stdout.strip().splitlines()[-1])
@@ -198,7 +198,7 @@ _THREADS = textwrap.dedent("""
 
 def test_pydicom_warnings_and_logs_never_reach_a_handler_from_two_threads():
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run([sys.executable, "-c", _THREADS, str(REPO), SECRET], env=env,
+    res = subprocess.run([sys.executable, "-c", _THREADS, str(REPO), SECRET], env=env, check=False,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     leaked, dropped, errors, *_ = res.stdout.split(" ", 3)
