@@ -260,14 +260,16 @@ FINDINGS = [
     "length; 71 KB is under the service's 256 KB inline threshold, so it ran on the event loop. Cost grows "
     "linearly with the segments (see the extrapolation); the observed 13 GB is where that machine stopped it.",
     "- **6 MB DICOM held a core 22 s, then 200**: `huge_sequence`, one sequence of 750 000 empty items: pydicom "
-    "builds a Dataset per item while reading (30–45 s here under load) and the image itself is fine, so it "
-    "answered 200.",
+    "builds a Dataset per item while reading (20–45 s across runs here) and the image itself is fine, so it "
+    "answered 200. A sequence just under the 10 000-element cap still costs pydicom about 0.5 s (the control row).",
     "- Other classes that cost over 1 s or 100 MB before: `deflate_bomb` (pydicom inflates the whole stream: "
     "1 GB), `jpeg_sof_larger` (a 1 KB JPEG whose SOF says 16000×16000: 1.2 GB, 10–20 s), "
-    "`segmented_lut_indirect` (5 KB, 25 s, 1 GB), `fragments_excess` (every fragment decoded: 4–6 s), "
+    "`segmented_lut_indirect` (5 KB, 10–25 s, 1 GB), `fragments_excess` (every fragment decoded: 2–6 s), "
     "`png_1bit_palette_huge` (6 KB, float64 RGBA temporaries: past 3 GiB), `many_elements` (1–3 s).",
-    "- After: every class is refused with 413/422 in under 0.3 s and under 10 MB of extra memory; the valid "
-    "heavy inputs decode in less memory (the 7000² 1-bit palette PNG in 234 MB instead of past 3 GiB).",
+    "- After: every class is refused with 413/422 in under 0.1 s; extra memory under 10 MB except the deflate "
+    "bomb, which holds its cap (max_bytes, 50 MiB) of inflated bytes before it is refused. The valid heavy inputs "
+    "decode in less memory (the 7000² 1-bit palette PNG in 234 MB instead of past 3 GiB; a 4096² 16-bit RLE "
+    "image in 193 MB instead of 241 MB).",
 ]
 
 
