@@ -13,15 +13,28 @@ VOI LUT or window in the file (min-max over the frame when it has none), a min-m
 so while decoding and reports it), palette colour is expanded through its LUT, and deeper than
 8-bit colour is scaled by its bit depth. Privacy: neither `DecodedImage.info` nor any message
 holds a tag value that could identify a patient, only technical facts (modality, photometric
-interpretation, bits, transfer syntax, frames, SOP class name). pydicom's own warnings, which
-may quote tag values, are silenced while a file is read.
+interpretation, bits, transfer syntax, frames, SOP class name). pydicom's own warnings and log
+records, which may quote tag values, never reach a handler: a filter installed once at import drops
+them (thread-safe, unlike `warnings.catch_warnings`) and counts them per thread.
+
+Hostile inputs (see tests/hostile_corpus.py): every decode is bounded before it allocates. A
+deflated data set is inflated by this module with a cap on its output, a cheap walk over the data
+set's elements bounds their count and sequence depth before pydicom parses it, encapsulated frames
+are checked against the header (frame count, and the size each JPEG / JPEG-LS / JPEG 2000 frame
+header declares) before they are decoded, RLE segments are decoded with a cap on their output,
+segmented palette tables are expanded with a cap on their length, and the grey pipeline works in
+bounded float chunks. `decoded_nbytes` reads headers only and tells a caller how much a decode
+will allocate, to choose between the event loop and a worker thread.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import struct
+import threading
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
@@ -30,11 +43,31 @@ from typing import Any
 import numpy as np
 import pydicom
 from PIL import Image, ImageOps
-from pydicom.pixels import (apply_color_lut, apply_modality_lut, apply_voi_lut, as_pixel_options,
-                            convert_color_space, get_decoder)
-from pydicom.uid import UID, ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian
+from pydicom.pixels import (
+    apply_color_lut,
+    apply_modality_lut,
+    apply_voi_lut,
+    as_pixel_options,
+    convert_color_space,
+    get_decoder,
+)
+from pydicom.uid import (
+    UID,
+    DeflatedExplicitVRLittleEndian,
+    ExplicitVRBigEndian,
+    ExplicitVRLittleEndian,
+    ImplicitVRLittleEndian,
+    RLELossless,
+)
 
-from tafl.errors import BadRequest, DataError, PayloadTooLarge, ServiceError, UnprocessableImage, UnsupportedMedia
+from tafl.errors import (
+    BadRequest,
+    DataError,
+    PayloadTooLarge,
+    ServiceError,
+    UnprocessableImage,
+    UnsupportedMedia,
+)
 from tafl.imaging.pixels import minmax_u8, pil_to_uint8
 
 log = logging.getLogger(__name__)
@@ -59,6 +92,10 @@ class DecodedImage:
     info: dict[str, Any] = field(default_factory=dict)  # technical, non-identifying facts only
 
 
+# An 8-bit PNG cannot exceed about 1032 pixels per byte (deflate's limit); only 1/2/4-bit images go
+# beyond, and those large and that compressible are blank: cheap to send, costly to decode.
+_RATIO_MIN_PIXELS, _MAX_PIXELS_PER_BYTE = 1 << 22, 1100
+
 # The raster formats a training folder may also hold (the service takes DICOM, PNG and JPEG only).
 FOLDER_RASTERS = {"bmp": (b"BM",), "tiff": (b"II*\x00", b"MM\x00*")}
 
@@ -77,7 +114,7 @@ def decode_image(data: bytes, *, max_bytes: int = 50 * 2**20, max_pixels: int = 
     if data.startswith(JPEG_MAGIC):
         return _decode_raster(data, "jpeg", max_pixels)
     if data[128:132] == b"DICM" or _looks_like_bare_dataset(data):
-        return _decode_dicom(data, max_pixels, max_frames)
+        return _decode_dicom(data, max_bytes, max_pixels, max_frames)
     for kind in extra_rasters:
         if data.startswith(FOLDER_RASTERS[kind]):
             return _decode_raster(data, kind, max_pixels)
@@ -161,6 +198,10 @@ def _decode_raster(data: bytes, kind: str, max_pixels: int) -> DecodedImage:
     if w * h > max_pixels:  # decompression-bomb guard, before a single pixel is decoded
         raise _too_many_pixels(w, h, max_pixels)
     _check_side(w, h)
+    if w * h > _RATIO_MIN_PIXELS and w * h > _MAX_PIXELS_PER_BYTE * len(data):
+        raise PayloadTooLarge(f"the {name} file is {len(data) / 1024:.0f} KB but declares {w}×{h} pixels, more "
+                              f"than {_MAX_PIXELS_PER_BYTE} pixels per byte, which only a blank image of "
+                              "under 8 bits per sample reaches: send the image as an 8-bit greyscale or colour file")
     try:
         im.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -185,12 +226,12 @@ def _decode_raster(data: bytes, kind: str, max_pixels: int) -> DecodedImage:
 # --------------------------------------------------------------------------- DICOM
 
 
-def _decode_dicom(data: bytes, max_pixels: int, max_frames: int) -> DecodedImage:
-    """Read and render a DICOM file; anything unforeseen becomes a generic 422 (never a raw error)."""
+def _decode_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int) -> DecodedImage:
+    """Read and render a DICOM file; anything unforeseen becomes a generic 422 (never a raw error).
+    pydicom's warnings and log records are dropped by the filters `_silence_pydicom` installed."""
+    _ensure_silenced()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # pydicom's warnings may quote tag values
-            return _render_dicom(data, max_pixels, max_frames)
+        return _render_dicom(data, max_bytes, max_pixels, max_frames)
     except ServiceError:
         raise
     except Exception as exc:  # only the type is logged: messages may quote tag values
@@ -199,7 +240,13 @@ def _decode_dicom(data: bytes, max_pixels: int, max_frames: int) -> DecodedImage
                                  "complete image object, export it again and resend it") from None
 
 
-def _render_dicom(data: bytes, max_pixels: int, max_frames: int) -> DecodedImage:
+def _render_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int) -> DecodedImage:
+    max_elements = max(10_000, 100 * max_frames)  # real files: under 1 500 (an ECG waveform); pydicom ~30 µs each
+    scan = _prescan(data, max_elements)
+    deflated = scan.deflated
+    if deflated:  # inflated here, with a cap, rather than by pydicom (which inflates it whole)
+        data = _inflate(data, scan, max_bytes)
+        scan = _prescan(data, max_elements)
     try:
         ds = pydicom.dcmread(BytesIO(data), force=data[128:132] != b"DICM")
     except Exception:
@@ -233,7 +280,7 @@ def _render_dicom(data: bytes, max_pixels: int, max_frames: int) -> DecodedImage
         ds.file_meta.TransferSyntaxUID = (ImplicitVRLittleEndian if implicit else
                                           ExplicitVRLittleEndian if little else ExplicitVRBigEndian)
     tsyntax = UID(ds.file_meta.TransferSyntaxUID)
-    ts_name = _uid_name(tsyntax) or "unrecognised"
+    ts_name = (_uid_name(DeflatedExplicitVRLittleEndian) if deflated else _uid_name(tsyntax)) or "unrecognised"
     try:
         decoder = get_decoder(tsyntax)
         available = decoder.is_available
@@ -242,9 +289,17 @@ def _render_dicom(data: bytes, max_pixels: int, max_frames: int) -> DecodedImage
     if not available:
         raise UnsupportedMedia(f"the DICOM transfer syntax '{ts_name}' is not supported here: export the image "
                                "uncompressed or as JPEG, JPEG-LS, JPEG 2000 or RLE and resend it")
+    pixel_keyword = next(k for k in PIXEL_KEYWORDS if k in ds)
+    if tsyntax.is_encapsulated and pixel_keyword == "PixelData":
+        _check_encapsulated(ds.PixelData, tsyntax, n_frames, rows, cols, spp, max_fragments=max(4096, 64 * max_frames))
+    plugin = {"decoding_plugin": "tafl"} if tsyntax == RLELossless else {}
+    _rle_state.too_long = False
     try:
-        arr, meta = decoder.as_array(ds, validate=True, raw=False, **as_pixel_options(ds))
+        arr, meta = decoder.as_array(ds, validate=True, raw=False, **plugin, **as_pixel_options(ds))
     except Exception:
+        if tsyntax == RLELossless and getattr(_rle_state, "too_long", False):
+            raise UnprocessableImage("the DICOM file's RLE pixel data decodes to more than its declared image "
+                                     "size: export it again from the PACS or modality and resend it") from None
         raise UnprocessableImage(f"the DICOM pixel data ({ts_name}) could not be decoded, it is truncated, "
                                  "corrupt or in an unsupported variant: export it again uncompressed and "
                                  "resend it") from None
@@ -275,18 +330,66 @@ def _render_dicom(data: bytes, max_pixels: int, max_frames: int) -> DecodedImage
     return DecodedImage(frames=frames, kind="dicom", info={k: v for k, v in info.items() if v is not None})
 
 
+_CHUNK_PIXELS = 1 << 20  # the grey pipeline's float64 temporaries are bounded to this many pixels at a time
+
+
 def _render_grey(arr: np.ndarray, ds: pydicom.Dataset, *, invert: bool) -> tuple[np.ndarray, str]:
-    """Modality LUT, first VOI LUT or window, per-frame min-max to uint8, MONOCHROME1 inversion."""
-    values = apply_modality_lut(arr, ds)
-    windowing = "min-max"
-    if ds.get("VOILUTSequence") or ("WindowCenter" in ds and "WindowWidth" in ds):
-        try:
-            values = apply_voi_lut(values, ds, index=0, prefer_lut=True)
-            windowing = "VOI LUT" if ds.get("VOILUTSequence") else "window centre/width"
-        except Exception:  # a broken window should not reject the image: fall back to min-max
-            log.debug("VOI LUT / window unusable, using min-max")
-    out = np.stack([minmax_u8(np.asarray(f, dtype=np.float32)) for f in values])
-    return (255 - out if invert else out), windowing
+    """Modality LUT, first VOI LUT or window, per-frame min-max to uint8, MONOCHROME1 inversion.
+
+    pydicom's LUT functions return float64; they are elementwise, so they run on blocks of at most
+    _CHUNK_PIXELS (several small frames, or rows of a large one) kept as float32 (what the min-max
+    stretch used anyway): temporaries of about 12 bytes × _CHUNK_PIXELS plus 4 bytes per pixel of
+    one frame, instead of 16 bytes per pixel of the whole series."""
+    want_voi = bool(ds.get("VOILUTSequence") or ("WindowCenter" in ds and "WindowWidth" in ds))
+    state = {"voi": want_voi, "windowing": "min-max", "used": False}
+
+    def luts(block: np.ndarray) -> np.ndarray:
+        values = apply_modality_lut(block, ds)
+        if state["voi"]:
+            try:
+                values = apply_voi_lut(values, ds, index=0, prefer_lut=True)
+                state["windowing"] = "VOI LUT" if ds.get("VOILUTSequence") else "window centre/width"
+            except Exception:  # a broken window should not reject the image: fall back to min-max
+                log.debug("VOI LUT / window unusable, using min-max")
+                if state["used"]:  # some blocks were windowed already: start again, min-max throughout
+                    raise _RestartMinMax from None
+                state["voi"] = False
+        state["used"] = True
+        return values
+
+    n, h, w = arr.shape[:3]
+    out = np.empty((n, h, w), dtype=np.uint8)
+    try:
+        if h * w <= _CHUNK_PIXELS:  # whole frames, several at a time
+            k = max(1, _CHUNK_PIXELS // max(1, h * w))
+            for g in range(0, n, k):
+                block = np.asarray(luts(arr[g:g + k]), dtype=np.float32)
+                for j in range(block.shape[0]):
+                    out[g + j] = minmax_u8(block[j], overwrite=True)
+        else:  # one frame at a time, in blocks of rows
+            step = max(1, _CHUNK_PIXELS // max(1, w))
+            frame = np.empty((h, w), dtype=np.float32)
+            for i in range(n):
+                for r in range(0, h, step):
+                    frame[r:r + step] = luts(arr[i, r:r + step])
+                out[i] = minmax_u8(frame, overwrite=True)
+    except _RestartMinMax:
+        return _render_grey(arr, _without_voi(ds), invert=invert)
+    if invert:
+        np.subtract(255, out, out=out)
+    return out, state["windowing"]
+
+
+class _RestartMinMax(Exception):
+    pass
+
+
+def _without_voi(ds: pydicom.Dataset) -> pydicom.Dataset:
+    copy = pydicom.Dataset(ds)
+    for keyword in ("VOILUTSequence", "WindowCenter", "WindowWidth"):
+        if keyword in copy:
+            del copy[keyword]
+    return copy
 
 
 def _palette_to_rgb(arr: np.ndarray, ds: pydicom.Dataset, *, little_endian: bool) -> np.ndarray:
@@ -300,6 +403,7 @@ def _palette_to_rgb(arr: np.ndarray, ds: pydicom.Dataset, *, little_endian: bool
         for keyword in (f"{c}PaletteColorLookupTableData" for c in ("Red", "Green", "Blue", "Alpha")):
             if keyword in ds and len(ds[keyword].value) == 2 * n_entries:
                 ds[keyword].value = np.frombuffer(ds[keyword].value, ">u2").astype("=u2").tobytes()
+    _expand_segmented_palettes(ds, little_endian)
     return apply_color_lut(arr, ds)[..., :3]
 
 
@@ -312,6 +416,568 @@ def _scale_colour(arr: np.ndarray, bits: int) -> np.ndarray:
     if values.min() < 0 or values.max() > top:
         return minmax_u8(values)
     return np.clip(np.rint(values * (255.0 / top)), 0, 255).astype(np.uint8)
+
+
+# --------------------------------------------------------------------------- pydicom's warnings and logs
+
+
+class _Quiet(threading.local):
+    records = 0  # pydicom log records dropped in this thread (each of its warnings is also logged)
+
+
+_quiet = _Quiet()
+
+
+class _DropPydicom(logging.Filter):
+    """On the 'pydicom' logger: counts each record per thread and lets none through (never formatted)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
+        _quiet.records += 1
+        return False
+
+
+class _DropHandler(logging.Handler):
+    """The 'pydicom' logger's only handler: records of its child loggers arrive here, counted, dropped."""
+
+    def handle(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
+        _quiet.records += 1
+        return False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def _silence_pydicom() -> None:
+    """Once, at import: no pydicom warning or log record (they may quote tag values) reaches a handler.
+
+    The 'pydicom' logger drops its records and stops propagation; its child loggers
+    ('pydicom.pixels...') propagate only to its own (dropping) handler. Warnings raised in pydicom's
+    modules, or attributed to this module's calls into pydicom, are ignored by a process-wide filter,
+    which, unlike `warnings.catch_warnings`, never swaps global state under another thread."""
+    logger = logging.getLogger("pydicom")
+    if not any(isinstance(f, _DropPydicom) for f in logger.filters):
+        logger.addFilter(_DropPydicom())
+        logger.addHandler(_DropHandler())
+    logger.propagate = False
+    warnings.filterwarnings("ignore", module=re.escape(__name__) + "$")
+    warnings.filterwarnings("ignore", module=r"pydicom(\.|$)")
+
+
+_silence_pydicom()
+_OUR_FILTERS = tuple(warnings.filters[:2])
+
+
+def _ensure_silenced() -> None:
+    """Each DICOM decode: put the filters back in front if the application has since added its own
+    (e.g. `warnings.simplefilter('always')`); a cheap check, and no swap of global state."""
+    if tuple(warnings.filters[:2]) != _OUR_FILTERS or logging.getLogger("pydicom").propagate:
+        _silence_pydicom()
+
+
+def pydicom_records_dropped() -> int:
+    """How many pydicom log records this thread has dropped so far (for tests and diagnostics)."""
+    return _quiet.records
+
+
+# --------------------------------------------------------------------------- decoded size, cheaply
+
+UNKNOWN_NBYTES = 1 << 40  # what decoded_nbytes answers when it cannot tell: large, so the work goes off-loop
+_PROBE_ELEMENTS = 1000  # a probe walks at most this many elements (image headers have a few hundred)
+
+
+def decoded_nbytes(data: bytes) -> int:
+    """Bytes a `decode_image` of `data` will allocate for its pixels (decoded samples plus the uint8
+    frames), from the headers only; UNKNOWN_NBYTES when it cannot tell. Never raises; reads a
+    few hundred bytes of a PNG or JPEG and only the element headers of a DICOM (microseconds to
+    about a millisecond). A deflated DICOM, a data set with thousands of elements and anything
+    unrecognised answer UNKNOWN_NBYTES, so that a caller runs their decode off the event loop."""
+    try:
+        if data.startswith(PNG_MAGIC):
+            if data[12:16] != b"IHDR":
+                return UNKNOWN_NBYTES
+            w, h, depth, colour = struct.unpack(">IIBB", data[16:26])
+            channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 4)
+            out = 1 if colour in (0, 4) and depth <= 8 else 3
+            return w * h * (max(1, channels * depth // 8) + 4 * channels + out)  # + an RGBA/uint16 temporary
+        if data.startswith(JPEG_MAGIC):
+            sof = _jpeg_sof(data, 0, min(len(data), 1 << 20))
+            if sof is None:
+                return UNKNOWN_NBYTES
+            h, w, comps = sof
+            return w * max(h, 1) * comps * 2
+        if data[128:132] == b"DICM" or _looks_like_bare_dataset(data):
+            scan = _scan_dicom(data, max_elements=_PROBE_ELEMENTS, max_depth=_MAX_DEPTH, probe=True)
+            if scan.deflated or scan.rows is None or scan.cols is None:
+                return UNKNOWN_NBYTES
+            px = scan.rows * scan.cols * max(1, scan.frames) * max(1, scan.spp)
+            per_sample = max(1, -(-(scan.bits or 16) // 8))
+            return px * (per_sample + 1 + 8) if scan.spp == 1 else px * (per_sample + 1)  # grey: + float temps
+        return len(data)  # anything else is refused from its magic bytes, cheaply
+    except Exception:  # noqa: BLE001 - a probe never fails: in doubt, off the loop
+        return UNKNOWN_NBYTES
+
+
+# --------------------------------------------------------------------------- DICOM pre-scan
+
+_MAX_DEPTH = 16  # sequences nested deeper than this are refused (functional groups nest 3–4 deep)
+_LONG_VRS = {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
+_ALL_VRS = _LONG_VRS | {b"AE", b"AS", b"AT", b"CS", b"DA", b"DS", b"DT", b"FD", b"FL", b"IS", b"LO", b"LT",
+                        b"PN", b"SH", b"SL", b"SS", b"ST", b"TM", b"UI", b"UL", b"US"}
+_UNDEFINED = 0xFFFFFFFF
+_ITEM, _ITEM_END, _SEQ_END = 0xFFFEE000, 0xFFFEE00D, 0xFFFEE0DD
+_HEADER_TAGS = {0x00280010: "rows", 0x00280011: "cols", 0x00280008: "frames", 0x00280002: "spp",
+                0x00280100: "bits"}
+
+
+class _Limit(Exception):
+    """The pre-scan hit a bound: `what` is 'elements' or 'depth'."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+@dataclass
+class _Scan:
+    ts: str | None = None
+    deflated: bool = False
+    body: int = 0  # offset of the data set after the file meta
+    ts_value: tuple[int, int] | None = None  # (offset, length) of the transfer syntax UID's value
+    group_length: int | None = None  # offset of the (0002,0000) value
+    rows: int | None = None
+    cols: int | None = None
+    frames: int = 1
+    spp: int = 1
+    bits: int | None = None
+    elements: int = 0
+    depth: int = 0
+    confused: bool = False  # the walk met bytes it could not parse and stopped (pydicom may still read them)
+
+
+def _scan_dicom(data: bytes, *, max_elements: int, max_depth: int, probe: bool = False) -> _Scan:
+    """Walk the element headers of a DICOM file without decoding any value: the transfer syntax and
+    image size, and the number of elements and depth of sequences, raising _Limit past a bound."""
+    st = _Scan()
+    pos = 132 if data[128:132] == b"DICM" else 0
+    end = len(data)
+    # File meta (group 0002): always explicit VR little endian.
+    while pos + 8 <= end and data[pos:pos + 2] == b"\x02\x00":
+        elem = int.from_bytes(data[pos + 2:pos + 4], "little")
+        vr = data[pos + 4:pos + 6]
+        if vr in _LONG_VRS:
+            length, hdr = int.from_bytes(data[pos + 8:pos + 12], "little"), 12
+        elif vr in _ALL_VRS:
+            length, hdr = int.from_bytes(data[pos + 6:pos + 8], "little"), 8
+        else:
+            break  # implicit VR meta (non-conformant): leave it to pydicom
+        if length == _UNDEFINED or pos + hdr + length > end:
+            break
+        if elem == 0x0000 and length == 4:
+            st.group_length = pos + hdr
+        elif elem == 0x0010:
+            st.ts_value = (pos + hdr, length)
+            st.ts = data[pos + hdr:pos + hdr + length].decode("ascii", "replace").strip("\x00 ")
+        pos += hdr + length
+        st.elements += 1
+    st.body = pos
+    if st.ts == DeflatedExplicitVRLittleEndian:
+        st.deflated = True
+        return st
+    little = st.ts != ExplicitVRBigEndian
+    explicit = _explicit_here(data, pos, st.ts != ImplicitVRLittleEndian if st.ts else True)
+    try:
+        _walk(data, pos, end, explicit, little, 0, st, max_elements, max_depth, probe)
+    except (IndexError, struct.error, ValueError):
+        st.confused = True
+    return st
+
+
+def _walk(data: bytes, pos: int, end: int, explicit: bool, little: bool, depth: int, st: _Scan,
+          max_elements: int, max_depth: int, probe: bool) -> int:
+    """Walk elements from `pos` up to `end` or an item delimiter; returns the offset after them."""
+    order = "<" if little else ">"
+    u16, u32 = struct.Struct(order + "H"), struct.Struct(order + "I")
+    while pos + 8 <= end:
+        group, elem = u16.unpack_from(data, pos)[0], u16.unpack_from(data, pos + 2)[0]
+        tag = group << 16 | elem
+        if tag == _ITEM_END:
+            return pos + 8
+        if tag in (_ITEM, _SEQ_END):  # stray delimiters: pydicom stops here too
+            st.confused = True
+            return end
+        st.elements += 1
+        if st.elements > max_elements:
+            raise _Limit("elements")
+        implicit_here = not explicit
+        if explicit:
+            vr = data[pos + 4:pos + 6]
+            if vr in _LONG_VRS:
+                length, pos = u32.unpack_from(data, pos + 8)[0], pos + 12
+            elif vr in _ALL_VRS:
+                length, pos = u16.unpack_from(data, pos + 6)[0], pos + 8
+            else:
+                st.confused = True
+                return end
+            is_sq = vr == b"SQ" or (vr == b"UN" and length == _UNDEFINED)
+            implicit_here = vr == b"UN"  # an undefined-length UN holds an implicit VR LE sequence
+        else:
+            length, pos = u32.unpack_from(data, pos + 4)[0], pos + 8
+            is_sq = length == _UNDEFINED or _dictionary_vr(tag) == "SQ"
+        if depth == 0 and tag in _HEADER_TAGS and length != _UNDEFINED and length <= 16:
+            _record(st, tag, data[pos:pos + length], explicit and not implicit_here, order)
+        if tag == 0x7FE00010 and depth == 0:
+            if probe:
+                return end
+            if length == _UNDEFINED:  # encapsulated: skip its items (checked after pydicom reads them)
+                pos = _skip_items(data, pos, end, u32, u16)
+                continue
+            is_sq = False
+        if is_sq and tag != 0x7FE00010:
+            if depth + 1 > max_depth:
+                raise _Limit("depth")
+            st.depth = max(st.depth, depth + 1)
+            stop = end if length == _UNDEFINED else min(end, pos + length)
+            sub_explicit = explicit and not implicit_here
+            sub_little = little and not implicit_here or implicit_here
+            pos = _walk_items(data, pos, stop, sub_explicit, sub_little, depth + 1, st, max_elements,
+                              max_depth, probe)
+            continue
+        if length == _UNDEFINED:
+            st.confused = True
+            return end
+        pos += length
+    return pos
+
+
+def _walk_items(data: bytes, pos: int, stop: int, explicit: bool, little: bool, depth: int, st: _Scan,
+                max_elements: int, max_depth: int, probe: bool) -> int:
+    order = "<" if little else ">"
+    u16, u32 = struct.Struct(order + "H"), struct.Struct(order + "I")
+    while pos + 8 <= stop:
+        tag = u16.unpack_from(data, pos)[0] << 16 | u16.unpack_from(data, pos + 2)[0]
+        length = u32.unpack_from(data, pos + 4)[0]
+        pos += 8
+        if tag == _SEQ_END:
+            return pos
+        if tag != _ITEM:
+            st.confused = True
+            return len(data)
+        st.elements += 1
+        if st.elements > max_elements:
+            raise _Limit("elements")
+        item_explicit = _explicit_here(data, pos, explicit)
+        if length == _UNDEFINED:
+            pos = _walk(data, pos, len(data), item_explicit, little, depth, st, max_elements, max_depth, probe)
+        else:
+            _walk(data, pos, min(stop, pos + length), item_explicit, little, depth, st, max_elements, max_depth,
+                  probe)
+            pos += length
+    return pos
+
+
+def _explicit_here(data: bytes, pos: int, default: bool) -> bool:
+    """Whether the data set at `pos` is explicit VR, from its first element, as pydicom decides (it
+    reads a file whose transfer syntax says one and whose bytes say the other by its bytes)."""
+    if pos + 6 > len(data) or data[pos:pos + 4] in (b"\xfe\xff\x0d\xe0", b"\xff\xfe\xe0\x0d"):
+        return default
+    return data[pos + 4:pos + 6] in _ALL_VRS
+
+
+def _skip_items(data: bytes, pos: int, end: int, u32: struct.Struct, u16: struct.Struct) -> int:
+    while pos + 8 <= end:
+        tag = u16.unpack_from(data, pos)[0] << 16 | u16.unpack_from(data, pos + 2)[0]
+        length = u32.unpack_from(data, pos + 4)[0]
+        if tag == _SEQ_END:
+            return pos + 8
+        if tag != _ITEM or length == _UNDEFINED:
+            return end
+        pos += 8 + length
+    return end
+
+
+def _record(st: _Scan, tag: int, raw: bytes, explicit: bool, order: str) -> None:
+    name = _HEADER_TAGS[tag]
+    try:
+        if tag == 0x00280008:  # IS: a decimal string
+            st.frames = int(raw.decode("ascii").strip("\x00 ") or 1)
+        elif len(raw) >= 2:
+            setattr(st, name, struct.unpack_from(order + "H", raw)[0])
+    except (ValueError, UnicodeDecodeError, struct.error):
+        pass
+
+
+_VR_CACHE: dict[int, str | None] = {}
+
+
+def _dictionary_vr(tag: int) -> str | None:
+    if tag not in _VR_CACHE:
+        try:
+            _VR_CACHE[tag] = pydicom.datadict.dictionary_VR(tag)
+        except KeyError:
+            _VR_CACHE[tag] = None
+    return _VR_CACHE[tag]
+
+
+def _prescan(data: bytes, max_elements: int) -> _Scan:
+    """The bounded walk before pydicom parses anything: too many elements is 413, too deep 422."""
+    try:
+        return _scan_dicom(data, max_elements=max_elements, max_depth=_MAX_DEPTH)
+    except _Limit as exc:
+        if exc.what == "depth":
+            raise UnprocessableImage(f"the DICOM file nests sequences more than {_MAX_DEPTH} deep, which no image "
+                                     "object needs: export it again from the PACS or modality and resend it") from None
+        raise PayloadTooLarge(f"the DICOM file holds more than {max_elements:,} data elements: send a single "
+                              "image object without large attached sequences") from None
+
+
+def _inflate(data: bytes, scan: _Scan, limit: int) -> bytes:
+    """A deflated file as the same file in Explicit VR Little Endian, inflated with a cap on its output."""
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+    body, tail = bytearray(), memoryview(data)[scan.body:]
+    try:  # 1 MiB at a time: zlib's own output buffer for one big call peaks at twice its output
+        while not inflater.eof and len(body) <= limit:
+            chunk = inflater.decompress(tail, 1 << 20)
+            tail = memoryview(inflater.unconsumed_tail)
+            if not chunk and not tail:
+                break
+            body += chunk
+    except zlib.error:
+        raise UnprocessableImage("the deflated DICOM file is truncated or corrupt: export it again, "
+                                 "preferably uncompressed, and resend it") from None
+    if len(body) > limit:
+        raise PayloadTooLarge(f"the deflated DICOM file expands to more than {limit / 2**20:.0f} MiB: send it "
+                              "uncompressed or with an image compression such as JPEG 2000")
+    if scan.ts_value is None:
+        raise UnprocessableImage("the DICOM file's header is corrupt: export it again and resend it")
+    start, length = scan.ts_value
+    new_ts = str(ExplicitVRLittleEndian).encode() + b"\x00"  # 20 bytes, even
+    head = bytearray(data[:start - 2] + len(new_ts).to_bytes(2, "little") + new_ts + data[start + length:scan.body])
+    if scan.group_length is not None:
+        old = int.from_bytes(head[scan.group_length:scan.group_length + 4], "little")
+        head[scan.group_length:scan.group_length + 4] = (old + len(new_ts) - length).to_bytes(4, "little")
+    return bytes(head) + body
+
+
+# --------------------------------------------------------------------------- encapsulated frames
+
+_SOF_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF, 0xF7}
+
+
+def _jpeg_sof(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int] | None:
+    """(height, width, components) from the SOF (or JPEG-LS SOF55) segment of a JPEG starting at `pos`."""
+    pos += 2  # SOI
+    while pos + 4 <= end:
+        if buf[pos] != 0xFF:
+            return None
+        marker = buf[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0x01,) or 0xD0 <= marker <= 0xD7:
+            pos += 2
+            continue
+        length = buf[pos + 2] << 8 | buf[pos + 3]
+        if marker in _SOF_MARKERS and pos + 10 <= end:
+            h = buf[pos + 5] << 8 | buf[pos + 6]
+            w = buf[pos + 7] << 8 | buf[pos + 8]
+            return h, w, buf[pos + 9]
+        if marker == 0xDA or length < 2:  # start of scan before any SOF
+            return None
+        pos += 2 + length
+    return None
+
+
+def _j2k_siz(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int] | None:
+    """(height, width, components) from the SIZ segment of a JPEG 2000 codestream or JP2 file."""
+    if bytes(buf[pos:pos + 12]) == b"\x00\x00\x00\x0cjP  \r\n\x87\n":  # JP2: find the codestream box
+        i = bytes(buf[pos:min(end, pos + 4096)]).find(b"jp2c")
+        if i < 0:
+            return None
+        pos += i + 4
+    if bytes(buf[pos:pos + 4]) != b"\xff\x4f\xff\x51" or pos + 42 > end:
+        return None
+    xs, ys, xo, yo = struct.unpack_from(">IIII", buf, pos + 8)
+    comps = struct.unpack_from(">H", buf, pos + 40)[0]
+    return ys - yo, xs - xo, comps
+
+
+def _check_encapsulated(pixel_data: bytes, tsyntax: UID, n_frames: int, rows: int, cols: int, spp: int,
+                        max_fragments: int) -> None:
+    """Before any frame is decoded: as many frames as the header declares, none larger than its size."""
+    buf = memoryview(pixel_data)
+    end, pos = len(buf), 0
+    fragments: list[tuple[int, int]] = []
+    first = True
+    while pos + 8 <= end:
+        tag, length = struct.unpack_from("<HH", buf, pos), struct.unpack_from("<I", buf, pos + 4)[0]
+        if tag == (0xFFFE, 0xE0DD):
+            break
+        if tag != (0xFFFE, 0xE000) or length == _UNDEFINED:
+            return  # malformed: pydicom's own parser refuses it
+        if not first:  # the first item is the basic offset table
+            fragments.append((pos + 8, min(end, pos + 8 + length)))
+            if len(fragments) > max_fragments:
+                raise UnprocessableImage(f"the DICOM pixel data is split into more than {max_fragments:,} "
+                                         "fragments: export it again from the PACS or modality and resend it")
+        first = False
+        pos += 8 + length
+    mismatch = UnprocessableImage("the DICOM file's encoded frames do not agree with its header (frame count "
+                                  "or image size): export it again from the PACS or modality and resend it")
+    if tsyntax == RLELossless:
+        if len(fragments) > n_frames:  # RLE: exactly one fragment per frame
+            raise mismatch
+        return
+    starts = 0
+    for a, b in fragments:
+        head = bytes(buf[a:a + 4])
+        if head[:2] == b"\xff\xd8":
+            size = _jpeg_sof(buf, a, b)
+        elif head == b"\xff\x4f\xff\x51" or head == b"\x00\x00\x00\x0c":
+            size = _j2k_siz(buf, a, b)
+        else:
+            continue  # a later fragment of a frame split across fragments
+        starts += 1
+        if starts > n_frames:
+            raise mismatch
+        if size is not None:
+            h, w, comps = size
+            if h > rows or w > cols or h < 0 or w < 0 or comps > max(spp, 1) + 1:
+                raise mismatch
+
+
+# --------------------------------------------------------------------------- RLE, bounded
+
+DECODER_DEPENDENCIES = {RLELossless: ()}  # this module is also a pydicom decoding plugin (bounded RLE)
+
+
+def is_available(uid: str) -> bool:
+    return uid == RLELossless
+
+
+_rle_state = threading.local()  # too_long: this thread's last RLE decode stopped at the frame's size
+
+
+def _rle_segment(src: bytes, limit: int) -> bytearray:
+    """One RLE segment, decoding at most `limit` + 1 bytes (PackBits; a trailing pad byte is allowed)."""
+    out = bytearray()
+    extend, pos, n = out.extend, 0, len(src)
+    while pos < n:
+        header = src[pos] + 1
+        pos += 1
+        if header > 129:
+            extend(src[pos:pos + 1] * (258 - header))
+            pos += 1
+        elif header < 129:
+            extend(src[pos:pos + header])
+            pos += header
+        if len(out) > limit + 1:
+            _rle_state.too_long = True
+            raise ValueError("RLE segment longer than the frame")
+    return out
+
+
+def _rle_decode_frame(src: bytes, runner: Any) -> bytearray:
+    """pydicom decoding plugin: its RLE decoder with each segment's output capped at rows × columns."""
+    rows, cols, spp, bits = runner.rows, runner.columns, runner.samples_per_pixel, runner.bits_allocated
+    order = runner.get_option("rle_segment_order", ">")
+    if bits % 8:
+        raise NotImplementedError("RLE with bits allocated not a multiple of 8")
+    n_seg, bps = struct.unpack_from("<I", src, 0)[0], bits // 8
+    offsets = list(struct.unpack_from("<15I", src, 4))[:n_seg]
+    if n_seg != spp * bps:
+        raise ValueError("wrong number of RLE segments")
+    offsets.append(len(src))
+    plane = rows * cols
+    decoded = bytearray(plane * spp * bps)
+    stride = bps * plane
+    for sample in range(spp):
+        for byte in (range(bps) if order == "<" else reversed(range(bps))):
+            ii = sample * bps + byte
+            segment = _rle_segment(src[offsets[ii]:offsets[ii + 1]], plane)
+            if len(segment) < plane:
+                raise ValueError("RLE segment shorter than the frame")
+            if order == ">":
+                byte = bps - byte - 1
+            start = byte + sample * stride
+            decoded[start:start + stride:bps] = segment[:plane]
+    runner.set_option("planar_configuration", 1)
+    return decoded
+
+
+# --------------------------------------------------------------------------- segmented palettes
+
+
+def _expand_segmented(words: tuple[int, ...], limit: int, *, nr_segments: int | None = None,
+                      last: int | None = None, depth: int = 0, budget: list[int] | None = None) -> list[int]:
+    """pydicom's segmented LUT expansion (PS3.3 C.7.9.2) with its output capped at `limit` entries,
+    indirect segments nested at most two deep and at most 200 000 segments read in all (indirect
+    ones re-read earlier segments); ValueError past any of them."""
+    budget = [200_000] if budget is None else budget
+    lut: list[int] = []
+    offset = segments = 0
+    while offset + 1 < len(words):
+        opcode, length = words[offset], words[offset + 1]
+        offset += 2
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError("too many segments")
+        if len(lut) + (length if opcode in (0, 1) else 0) > limit:
+            raise ValueError("segmented LUT longer than its descriptor")
+        if opcode == 0:
+            lut.extend(words[offset:offset + length])
+            offset += length
+        elif opcode == 1:
+            y0 = lut[-1] if lut else last
+            if y0 is None:
+                raise ValueError("linear segment first")
+            y1 = words[offset]
+            offset += 1
+            if y0 == y1:
+                lut.extend([y1] * length)
+            else:
+                step = (y1 - y0) / length
+                lut.extend(int(v) for v in np.around(np.linspace(y0 + step, y1, length)))
+        elif opcode == 2:
+            if not lut or depth >= 2:
+                raise ValueError("indirect segment first or nested too deep")
+            byte_offset = words[offset + 1] << 16 | words[offset]  # as pydicom reads 16-bit entries
+            offset += 2
+            lut.extend(_expand_segmented(words[byte_offset:], limit - len(lut), nr_segments=length,
+                                         last=lut[-1], depth=depth + 1, budget=budget))
+        else:
+            raise ValueError("unknown segment type")
+        segments += 1
+        if segments == nr_segments:
+            break
+    return lut
+
+
+def _expand_segmented_palettes(ds: pydicom.Dataset, little_endian: bool) -> None:
+    """Replace segmented palette LUT data by plain LUT data, expanded with a bound, in native byte order."""
+    if "SegmentedRedPaletteColorLookupTableData" not in ds:
+        return
+    desc = ds.RedPaletteColorLookupTableDescriptor
+    entries, bits = int(desc[0]) or 65536, int(desc[2])
+    fmt = ("<" if little_endian else ">") + ("B" if bits == 8 else "H")
+    dtype = np.uint8 if bits == 8 else np.uint16
+    for colour in ("Red", "Green", "Blue", "Alpha"):
+        keyword = f"Segmented{colour}PaletteColorLookupTableData"
+        if keyword not in ds:
+            continue
+        raw = bytes(ds[keyword].value)
+        size = struct.calcsize(fmt[1])
+        words = struct.unpack(f"{fmt[0]}{len(raw) // size}{fmt[1]}", raw[:len(raw) // size * size])
+        try:
+            lut = _expand_segmented(words, 65536)
+        except (ValueError, IndexError, RecursionError):
+            raise UnprocessableImage("the DICOM file's segmented palette colour table is malformed or expands "
+                                     "beyond its declared length: export the image as RGB and resend it") from None
+        if not lut:
+            raise UnprocessableImage("the DICOM file's segmented palette colour table is empty: export the "
+                                     "image as RGB and resend it")
+        lut = (lut + [lut[-1]] * entries)[:entries]
+        del ds[keyword]  # pydicom reads plain LUT data in the machine's byte order
+        setattr(ds, f"{colour}PaletteColorLookupTableData", np.asarray(lut, dtype=dtype).tobytes())
 
 
 # --------------------------------------------------------------------------- helpers
@@ -356,3 +1022,10 @@ def _safe_int(value: Any) -> int | None:
         return int(value) if value is not None else None
     except (TypeError, ValueError):
         return None
+
+
+# The bounded RLE decoder above, as a pydicom plugin used only when asked for by name ("tafl").
+from pydicom.pixels.decoders import RLELosslessDecoder
+
+if "tafl" not in RLELosslessDecoder.available_plugins:
+    RLELosslessDecoder.add_plugin("tafl", (__name__, "_rle_decode_frame"))
