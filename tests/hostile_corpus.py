@@ -378,3 +378,8 @@ def warning_dicom(secret: str = "S3CR3T!!") -> bytes:
     ds.PixelData = (np.arange(64 * 64) % 251).astype(np.uint8).tobytes()
     data = _file(ds, ExplicitVRLittleEndian)
     return data.replace(b"IS\x08\x0012345678", b"IS\x08\x00" + secret.encode(), 1)
+
+
+def corpus() -> dict[str, bytes]:
+    """Every hostile class at test scale, by name (for the soak benchmark and the fuzz tests)."""
+    return {name: build() for name, (build, _) in HOSTILE.items()}

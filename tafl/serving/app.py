@@ -34,7 +34,7 @@ from starlette.routing import Route
 from tafl.errors import (BadRequest, ConfigError, PayloadTooLarge, ServiceError, ServiceUnavailable,
                          TaflError, Unauthorized, UnsupportedMedia)
 from tafl.imaging.heatmap import overlay, png_bytes
-from tafl.imaging import decode_image
+from tafl.imaging import decode_image, decoded_nbytes
 from tafl.serving.multipart import parse_simple
 from tafl.serving.runtime import LoadedModel, ModelRegistry
 
@@ -330,7 +330,9 @@ INLINE_BYTES = 256 * 1024  # smaller work runs on the event loop: a thread hop c
 
 
 async def _off_loop(size: int, fn, *args, **kw):
-    """Run `fn` in a worker thread when it is big enough to stall other requests, else inline."""
+    """Run `fn` in a worker thread when it is big enough to stall other requests, else inline. `size` is what
+    the work allocates (for a decode: `decoded_nbytes`, from the headers; never the upload's size, since a
+    small upload can inflate to gigabytes)."""
     if size <= INLINE_BYTES:
         return fn(*args, **kw)
     return await asyncio.to_thread(fn, *args, **kw)
@@ -392,7 +394,7 @@ async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     ratio, prior = _prior_choice(model, options)
     s = state.settings
     t0 = time.perf_counter()
-    decoded = await _off_loop(len(data), decode_image, data, max_bytes=s.max_upload_bytes,
+    decoded = await _off_loop(decoded_nbytes(data), decode_image, data, max_bytes=s.max_upload_bytes,
                               max_pixels=min(s.max_pixels, s.max_request_pixels),
                               max_frames=min(s.max_frames, s.max_request_frames))
     t1 = time.perf_counter()

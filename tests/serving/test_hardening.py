@@ -171,3 +171,26 @@ def test_the_service_publishes_its_openapi_document(tight):
     doc = r.json()
     assert doc == json.loads(json.dumps(spec(__version__)))
     assert set(doc["paths"]) == {"/predict", "/predict/batch", "/heatmap", "/models", "/admin/reload"}
+
+
+def test_every_hostile_class_is_refused_by_the_live_service_in_bounded_memory(tight):
+    """The crafted corpus (tests/hostile_corpus.py) through a real service: each class gets its 413/422 with a
+    message, the worker's resident memory stays bounded, and /healthz answers throughout."""
+    import psutil
+
+    from tests.hostile_corpus import HOSTILE
+
+    def tree_rss() -> int:
+        root = psutil.Process(tight.proc.pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+    before = tree_rss()
+    for name, (build, status) in HOSTILE.items():
+        data = build()
+        for send in ({"files": {"file": (f"{name}.bin", data, "application/octet-stream")}},
+                     {"content": data, "headers": {"content-type": "application/dicom"}}):
+            r = httpx.post(f"{tight.url}/predict", timeout=60, **send)
+            assert r.status_code == status, (name, r.status_code, r.text[:200])
+            assert len(r.json()["error"]["message"]) > 20
+        assert httpx.get(f"{tight.url}/healthz", timeout=5).status_code == 200
+    assert (tree_rss() - before) / 2**20 < 300
