@@ -204,10 +204,12 @@ def _port_or_free(port: int) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from tafl.serving.launch import serve
+    from tafl.serving.launch import drain_seconds_from_env, serve
 
-    print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (Ctrl-C stops)", flush=True)
-    return serve(ns.packages, ns.host, ns.port, ns.token)
+    drain = ns.drain_seconds if ns.drain_seconds is not None else drain_seconds_from_env()
+    print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (Ctrl-C or SIGTERM stops it within "
+          f"{drain:g} s)", flush=True)
+    return serve(ns.packages, ns.host, ns.port, ns.token, drain_seconds=drain)
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
@@ -463,6 +465,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=3000)
     sv.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $TAFL_API_TOKEN or none)")
+    sv.add_argument("--drain-seconds", type=float, metavar="S",
+                    help="on SIGTERM, SIGINT or SIGHUP: requests in flight get up to S-5 s to finish, and "
+                         "whatever of the server still runs after S s is killed; a second signal kills at once "
+                         "(default: $TAFL_DRAIN_SECONDS or 20)")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="train GTAFL on the embedded digits, export, serve and call the service")
