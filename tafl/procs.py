@@ -51,7 +51,8 @@ class ProcessTree:
     `stop(sig, grace)` sends `sig` to the leader (to its group with `group=True`), waits up to `grace`
     s for the leader and every remembered process to exit, then SIGKILLs whatever is left and reaps
     the leader. A process counts as gone once it is a zombie (an orphan's zombie may never be reaped
-    in a container), and psutil's identity check keeps a recycled PID from being signalled.
+    in a container) whose threads have all exited, and psutil's identity check keeps a recycled PID
+    from being signalled.
     """
 
     def __init__(self, proc: subprocess.Popen, *, group: bool = True):
@@ -74,7 +75,7 @@ class ProcessTree:
     def alive(self) -> list[Any]:
         """The remembered processes that still run (not the leader once it has been reaped)."""
         self.proc.poll()
-        return [p for p in self.known.values() if _running(p)]
+        return [p for p in self.known.values() if process_running(p)]
 
     def send(self, sig: int) -> None:
         if self.proc.poll() is not None:
@@ -120,7 +121,7 @@ class ProcessTree:
                 pass
         self.proc.wait()
         deadline = time.monotonic() + 5
-        while any(_running(p) for p in survivors) and time.monotonic() < deadline:
+        while any(process_running(p) for p in survivors) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def stop(self, sig: int = signal.SIGTERM, grace: float = 10.0) -> int:
@@ -132,11 +133,21 @@ class ProcessTree:
         return self.proc.returncode
 
 
-def _running(p: Any) -> bool:
+def process_running(p: Any) -> bool:
+    """Not exited. A zombie counts as exited once its other threads are gone too: a SIGKILLed
+    multi-threaded process (ONNX Runtime's) shows Z while its threads still exit, and until the last
+    one has, its files - the listening socket - stay open (measured: the port still accepted)."""
     import psutil
 
     try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        if not p.is_running():
+            return False
+        if p.status() != psutil.STATUS_ZOMBIE:
+            return True
+        try:
+            return len(os.listdir(f"/proc/{p.pid}/task")) > 1
+        except OSError:
+            return p.num_threads() > 1
     except psutil.Error:
         return False
 

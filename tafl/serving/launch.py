@@ -157,7 +157,9 @@ def serve(packages: list[str], host: str = "127.0.0.1", port: int = 3000, token:
 
 
 class ServerProcess:
-    """`bentoml serve` in its own process group on 127.0.0.1, ready when /readyz answers 200."""
+    """`bentoml serve` in its own process group on 127.0.0.1, ready when /readyz answers 200. `stop`
+    SIGTERMs the group and, after `grace` s, SIGKILLs it and every descendant still running: the
+    worker too, which is in a session of its own."""
 
     def __init__(self, packages: list[str], *, port: int | None = None, token: str | None = None,
                  env: dict[str, str] | None = None, log_path: str | Path | None = None, target: str = SERVICE):

@@ -20,23 +20,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tafl.procs import free_port, wait_http
+from tafl.procs import free_port, process_running, wait_http
 from tests.conftest import digit_png
 
 psutil = pytest.importorskip("psutil")
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process sessions and /proc: Linux")]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process sessions and /proc: Linux")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def running(p) -> bool:
-    """Alive and not a zombie (an orphan's zombie may never be reaped in a container)."""
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    """Not exited: a zombie (an orphan's zombie may never be reaped in a container) counts as exited
+    once its other threads are gone too (until then its files, the port, stay open)."""
+    return process_running(p)
 
 
 def tree_of(pid: int) -> list:
@@ -52,6 +49,9 @@ def wait_gone(procs: list, timeout: float) -> list:
 
 
 def assert_port_free(port: int) -> None:
+    holders = [(c.pid, c.status) for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
+               and c.status == psutil.CONN_LISTEN]
+    assert not holders, f"port {port} is still listened on by {holders}"
     with socket.socket() as s:
         s.settimeout(2)
         err = s.connect_ex(("127.0.0.1", port))
@@ -88,6 +88,24 @@ class TaflServe:
                 p.kill()
 
 
+def test_the_drain_deadline_reaches_the_worker_and_comes_from_the_environment(monkeypatch):
+    from tafl.errors import ConfigError
+    from tafl.serving.launch import DRAIN_SECONDS, drain_seconds_from_env, serve_command
+
+    cmd = serve_command("127.0.0.1", 3000, drain_seconds=20)
+    assert cmd[cmd.index("--timeout-graceful-shutdown") + 1] == "15"  # 5 s kept for the server to close
+    assert serve_command("127.0.0.1", 3000, drain_seconds=3)[-1] == "1"
+    assert "--timeout-graceful-shutdown" not in serve_command("127.0.0.1", 3000)
+    monkeypatch.delenv("TAFL_DRAIN_SECONDS", raising=False)
+    assert drain_seconds_from_env() == DRAIN_SECONDS == 20
+    monkeypatch.setenv("TAFL_DRAIN_SECONDS", "7.5")
+    assert drain_seconds_from_env() == 7.5
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv("TAFL_DRAIN_SECONDS", bad)
+        with pytest.raises(ConfigError, match="TAFL_DRAIN_SECONDS"):
+            drain_seconds_from_env()
+
+
 @pytest.fixture
 def tafl_serve(gtafl_pkg, tmp_path):
     started: list[TaflServe] = []
@@ -101,6 +119,7 @@ def tafl_serve(gtafl_pkg, tmp_path):
         s.cleanup()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_to_tafl_serve_stops_the_whole_server(tafl_serve, sig):
     srv = tafl_serve(drain=20)
@@ -141,6 +160,7 @@ def _slow_upload(url: str, data: bytes, seconds: float, sent_first: threading.Ev
         out["error"], out["done"] = repr(exc), time.monotonic()
 
 
+@pytest.mark.slow
 def test_a_request_in_flight_at_sigterm_still_gets_its_answer(tafl_serve):
     srv = tafl_serve(drain=20)
     sent_first, out = threading.Event(), {}
@@ -164,6 +184,7 @@ def test_a_request_in_flight_at_sigterm_still_gets_its_answer(tafl_serve):
     assert_port_free(srv.port)
 
 
+@pytest.mark.slow
 def test_a_server_that_does_not_stop_is_killed_at_the_deadline(tafl_serve):
     srv = tafl_serve(drain=3)
     server = srv.tree[1]
@@ -179,6 +200,7 @@ def test_a_server_that_does_not_stop_is_killed_at_the_deadline(tafl_serve):
     assert "did not stop within 3 s; killing it" in srv.log.read_text()
 
 
+@pytest.mark.slow
 def test_server_process_stop_leaves_no_worker_behind(gtafl_pkg, tmp_path):
     """`ServerProcess.stop` (tests, the demo): also when its SIGTERM is not obeyed and the group is
     SIGKILLed, the worker in its own session goes too (before: it kept the port and answered)."""
