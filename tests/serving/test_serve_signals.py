@@ -201,6 +201,16 @@ def test_a_server_that_does_not_stop_is_killed_at_the_deadline(tafl_serve):
 
 
 @pytest.mark.slow
+def test_a_sigkilled_wrapper_takes_the_server_with_it(tafl_serve):
+    """Nobody forwards anything then: the server gets SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
+    srv = tafl_serve(drain=20)
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(10)
+    assert not wait_gone(srv.tree, 20), f"still running: {[p.cmdline()[:3] for p in srv.tree if running(p)]}"
+    assert_port_free(srv.port)
+
+
+@pytest.mark.slow
 def test_server_process_stop_leaves_no_worker_behind(gtafl_pkg, tmp_path):
     """`ServerProcess.stop` (tests, the demo): also when its SIGTERM is not obeyed and the group is
     SIGKILLed, the worker in its own session goes too (before: it kept the port and answered)."""
