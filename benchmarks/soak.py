@@ -7,7 +7,7 @@
 as JPEG, the real DICOMs in ../shared/data/dicom) and hostile ones (the crafted corpus of
 tests/hostile_corpus.py: decompression bombs, inflating transfer syntaxes, expanding LUTs, frames that
 disagree with their header, deep sequences, plus random bytes, truncations, oversized bodies and batches
-past the request's frame cap), while a separate client polls /healthz every 50 ms. Every valid answer is
+past the request's frame cap), while a separate process polls /healthz every 50 ms. Every valid answer is
 checked against the package run in-process on the same decoded frames. Resident memory of the server's
 process tree is sampled throughout (growth = end of the run minus after warm-up).
 
@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import io
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -83,6 +84,23 @@ def expected(pkg, items: list[tuple[str, bytes, str]]) -> tuple[dict[str, list[i
         labels[name] = [int(v) for v in pkg.run(session, frames)["label"]]
         kept.append((name, data, media))
     return labels, kept
+
+
+def health_poller(url: str, seconds: float) -> tuple[list[float], int]:
+    """GET /healthz every 50 ms for `seconds`: latencies (ms) and failures."""
+    lat, fails = [], 0
+    stop = time.perf_counter() + seconds
+    with httpx.Client(timeout=10) as c:
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            try:
+                ok = c.get(f"{url}/healthz").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            lat.append(1000 * (time.perf_counter() - t))
+            fails += not ok
+            time.sleep(0.05)
+    return lat, fails
 
 
 def tree_rss(pid: int) -> int:
@@ -150,18 +168,13 @@ async def soak(url: str, pid: int, valid, hostile, labels, seconds: float, clien
                 codes[(kind, r.status_code)] += 1
                 kinds[kind] += 1
 
-    async def poll_health() -> None:
+    async def poll_health() -> None:  # in its own process: the load clients' own work must not delay it
         nonlocal health_fail
-        async with httpx.AsyncClient(timeout=10) as c:
-            while time.perf_counter() < stop:
-                t = time.perf_counter()
-                try:
-                    ok = (await c.get(f"{url}/healthz")).status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                health.append(1000 * (time.perf_counter() - t))
-                health_fail += not ok
-                await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            lat, fails = await loop.run_in_executor(None, pool.apply, health_poller, (url, seconds))
+        health.extend(lat)
+        health_fail += fails
 
     async def sample_memory() -> None:
         while time.perf_counter() < stop:

@@ -204,7 +204,7 @@ def _port_or_free(port: int) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from tafl.serving.launch import serve
+    from tafl.serving.launch import drain_seconds_from_env, serve
 
     # the service reads these from its environment, which `serve` hands on; its own pre-check reads them too
     if ns.trusted_keys:
@@ -214,8 +214,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         os.environ["TAFL_TRUSTED_KEYS"] = ns.trusted_keys
     if ns.package_root:
         os.environ["TAFL_PACKAGE_ROOT"] = str(Path(ns.package_root).resolve())
-    print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (Ctrl-C stops)", flush=True)
-    return serve(ns.packages, ns.host, ns.port, ns.token)
+    drain = ns.drain_seconds if ns.drain_seconds is not None else drain_seconds_from_env()
+    print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (Ctrl-C or SIGTERM stops it within "
+          f"{drain:g} s)", flush=True)
+    return serve(ns.packages, ns.host, ns.port, ns.token, drain_seconds=drain)
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:
@@ -496,6 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "comma-separated: only packages signed by one of them load (default $TAFL_TRUSTED_KEYS)")
     sv.add_argument("--package-root", metavar="DIR", help="folders /admin/reload may load lie inside DIR "
                     "(default $TAFL_PACKAGE_ROOT; unset: BentoML tags only)")
+    sv.add_argument("--drain-seconds", type=float, metavar="S",
+                    help="on SIGTERM, SIGINT or SIGHUP: requests in flight get up to S-5 s to finish, and "
+                         "whatever of the server still runs after S s is killed; a second signal kills at once "
+                         "(default: $TAFL_DRAIN_SECONDS or 20)")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="train GTAFL on the embedded digits, export, serve and call the service")

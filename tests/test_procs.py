@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import http.server
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tafl.errors import ServiceUnavailable
-from tafl.procs import free_port, kill_group, start_group, stop_group, wait_http
+from tafl.procs import ProcessTree, free_port, kill_group, start_group, stop_group, wait_http
 
 
 def _alive(pid: int) -> bool:
@@ -64,6 +66,35 @@ def test_the_whole_group_goes(tmp_path, how):
     assert not _alive(child)
     stop_group(proc)  # a stopped process: nothing to do
     kill_group(proc)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_child_in_its_own_session_goes_too(tmp_path, how):
+    """BentoML starts its worker in a session of its own: no signal to the group reaches it, and it
+    outlives its parent (holding the port) unless the tree is remembered and killed."""
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys; c = subprocess.Popen(['sleep', '60'], start_new_session=True);"
+            f" open({str(pid_file)!r}, 'w').write(str(c.pid)); c.wait()")
+    proc = start_group([sys.executable, "-c", code], log_path=tmp_path / "log")
+    child = int(_wait_file(pid_file))
+    assert _alive(child) and os.getsid(child) != os.getsid(proc.pid)
+    t0 = time.monotonic()
+    if how == "stop":
+        stop_group(proc, grace=1)  # the leader dies of SIGTERM at once; its orphan is SIGKILLed at the deadline
+    else:
+        kill_group(proc)
+    assert proc.returncode is not None and time.monotonic() - t0 < 10
+    assert not _alive(child)
+
+
+def test_process_tree_stop_returns_the_leaders_status(tmp_path):
+    ready = tmp_path / "ready"
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3));"
+            f" open({str(ready)!r}, 'w').write('1'); time.sleep(60)")
+    proc = start_group([sys.executable, "-c", code])
+    _wait_file(ready)
+    assert ProcessTree(proc).stop(signal.SIGTERM, grace=10) == 3
 
 
 def test_stop_group_kills_what_ignores_sigterm(tmp_path):

@@ -7,6 +7,12 @@ with the service's own decoder and runs the package in ONNX Runtime in batches, 
 the same labels. Each result is one line appended with a single write and flushed, so the file
 is valid at every instant; `--resume` repairs a torn last line, skips every path already in the
 file and appends the rest. The summary compares the predicted class mix with the training mix.
+
+A CSV cell a spreadsheet would run as a formula (a string starting with =, +, -, @, tab or
+carriage return: OWASP's CSV injection; a file in a hospital folder can be named
+`=HYPERLINK(...).png`) is written with a leading `'`, and so is one already starting with `'`, so
+that `csv_uncell` restores every value exactly and `--resume` still recognises the paths; a
+string that is a plain number (-1.5) and numeric cells stay as they are. JSONL keeps raw values.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import io
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -70,6 +77,23 @@ class Row:
 
 ADAPTIVE_COLUMNS = ["adaptive_label", "adaptive_class_name"]
 
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def csv_cell(value: Any) -> Any:
+    """`value` as the results CSV stores it: a string that a spreadsheet would run as a formula gets a
+    leading `'` (also one that starts with `'` already, so that the escape can be undone exactly);
+    plain numbers, written as strings or not, and every other value stay as they are."""
+    if isinstance(value, str) and value[:1] in (*FORMULA_START, "'") and not _PLAIN_NUMBER.fullmatch(value):
+        return "'" + value
+    return value
+
+
+def csv_uncell(text: str) -> str:
+    """The value `csv_cell` escaped (the CSV's text when it did not)."""
+    return text[1:] if text.startswith("'") else text
+
 
 class ResultsFile:
     """Append-only CSV or JSONL whose every line is complete (one write per row, then flush)."""
@@ -113,13 +137,15 @@ class ResultsFile:
             if reader.fieldnames and reader.fieldnames not in (self.columns, self.columns + ADAPTIVE_COLUMNS):
                 raise ConfigError(f"{self.path} has columns {reader.fieldnames}; this model writes {self.columns} "
                                   "(a different model?); use another --out")
-            self.done = {r["path"] for r in reader}
+            self.done = {csv_uncell(r["path"]) for r in reader}
 
     @staticmethod
     def _csv_line(values: list[Any]) -> str:
         buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerow(values)
-        return buf.getvalue()
+        # "\r\n" so that the csv module quotes a \r inside a value too (with "\n" it quotes only \n, and
+        # a file name holding a \r split its row in two); the line itself ends in "\n" as before
+        csv.writer(buf, lineterminator="\r\n").writerow(values)
+        return buf.getvalue()[:-2] + "\n"
 
     def _write_line(self, line: str) -> None:
         os.write(self.fd, line.encode("utf-8"))  # one write of a whole line: O_APPEND keeps it intact
@@ -132,7 +158,7 @@ class ResultsFile:
         if self.jsonl:
             self._write_line(json.dumps(rec) + "\n")
         else:
-            self._write_line(self._csv_line(["" if rec[c] is None else rec[c] for c in self.columns]))
+            self._write_line(self._csv_line(["" if rec[c] is None else csv_cell(rec[c]) for c in self.columns]))
         self.done.add(row.path)
 
     def close(self) -> None:
@@ -348,7 +374,8 @@ def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
     C = len(names)
     src = np.asarray(meta["prior"]["source_prior"], np.float64)
     jsonl = out.suffix.lower() == ".jsonl"
-    text = out.read_text("utf-8")
+    with open(out, encoding="utf-8", newline="") as fh:  # no newline translation: a \r inside a value stays
+        text = fh.read()
     if jsonl:
         recs = [json.loads(line) for line in text.splitlines() if line.strip()]
         fields = list(recs[0]) if recs else []
@@ -376,7 +403,7 @@ def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
     for r in recs:
         d = by_path.get(r["path"])
         r["adaptive_label"] = "" if d is None else d
-        r["adaptive_class_name"] = "" if d is None else names[d]
+        r["adaptive_class_name"] = "" if d is None else names[d] if jsonl else csv_cell(names[d])  # the rest: as read
         if d is not None:
             counts[names[d]] = counts.get(names[d], 0) + 1
             changed += str(d) != str(r.get("label"))
@@ -386,10 +413,10 @@ def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
             for r in recs:
                 fh.write(json.dumps(r) + "\n")
         else:
-            w = csv.DictWriter(fh, fieldnames=[f for f in fields if f not in ADAPTIVE_COLUMNS] + ADAPTIVE_COLUMNS,
-                               lineterminator="\n")
-            w.writeheader()
-            w.writerows(recs)
+            header = [f for f in fields if f not in ADAPTIVE_COLUMNS] + ADAPTIVE_COLUMNS
+            fh.write(ResultsFile._csv_line(header))
+            for r in recs:  # the cells as read (escaped once already), the same quoting as ResultsFile
+                fh.write(ResultsFile._csv_line([r.get(c, "") for c in header]))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out)
