@@ -196,7 +196,8 @@ async def soak(url: str, pid: int, valid, hostile, labels, seconds: float, clien
         "healthz": {"polls": len(h), "failed": health_fail, "p50_ms": statistics.median(h),
                     "p99_ms": h[min(len(h) - 1, int(0.99 * len(h)))], "max_ms": h[-1]},
         "rss_mb": {"start": rss[0] / 2**20, "peak": max(rss) / 2**20, "end": rss[-1] / 2**20,
-                   "growth": (rss[-1] - rss[0]) / 2**20},
+                   "growth": (rss[-1] - rss[0]) / 2**20,
+                   "every_5s": [round(v / 2**20) for v in rss[::10]]},
     }
 
 
@@ -206,6 +207,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "soak"))
+    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra service environment")
     ns = ap.parse_args()
     pkg_dir = Path(ns.package) if ns.package else REPO / "benchmarks" / "out" / "pkg_gtafl_s1"
     pkg = load_package(pkg_dir)
@@ -215,14 +217,14 @@ def main() -> int:
           f"{len(hostile)} hostile, {ns.clients} clients for {ns.seconds:g} s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         env = {"BENTOML_HOME": str(Path(tmp) / "home"), "TAFL_MAX_UPLOAD_MB": str(MAX_UPLOAD_MB),
-               "TAFL_AUDIT_LOG": str(Path(tmp) / "audit.jsonl")}
+               "TAFL_AUDIT_LOG": str(Path(tmp) / "audit.jsonl"), **dict(e.split("=", 1) for e in ns.env)}
         with ServerProcess([str(pkg_dir)], env=env, log_path=Path(tmp) / "service.log") as srv:
             warm = asyncio.run(soak(srv.url, srv.proc.pid, valid, hostile, labels, min(10.0, ns.seconds / 6), 4))
             res = asyncio.run(soak(srv.url, srv.proc.pid, valid, hostile, labels, ns.seconds, ns.clients))
             log = (Path(tmp) / "service.log").read_text(errors="replace")
         res["warmup_requests"] = warm["requests"]
         res["tracebacks_in_service_log"] = log.count("Traceback")
-    res.update(package=f"{pkg.name} {pkg.version}", date=time.strftime("%Y-%m-%d"), cpus=os.cpu_count(),
+    res.update(package=f"{pkg.name} {pkg.version}", service_env=ns.env, date=time.strftime("%Y-%m-%d"), cpus=os.cpu_count(),
                targets={"status_5xx": 0, "healthz_p99_ms": 200, "rss_growth_mb": 300, "valid_wrong": 0})
     res["met"] = {"no_5xx": res["status_5xx"] == 0, "healthz_p99": res["healthz"]["p99_ms"] < 200,
                   "rss_growth": res["rss_mb"]["growth"] < 300,
@@ -231,7 +233,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
     h, m = res["healthz"], res["rss_mb"]
-    md = [f"# Soak ({res['date']}, {res['cpus']} cores, {res['package']})", "",
+    md = [f"# Soak ({res['date']}, {res['cpus']} cores, {res['package']}"
+          f"{', ' + ' '.join(ns.env) if ns.env else ''})", "",
           f"{ns.clients} clients for {res['seconds']:.0f} s: {res['requests']} requests "
           f"({', '.join(f'{k} {v}' for k, v in res['by_kind'].items())}).", "",
           "| measure | value | target |", "|---|---|---|",
@@ -241,6 +244,7 @@ def main() -> int:
           f"| /healthz polls failed | {h['failed']} of {h['polls']} | 0 |",
           f"| server RSS start / peak / end (MB) | {m['start']:.0f} / {m['peak']:.0f} / {m['end']:.0f} | |",
           f"| RSS growth (MB) | {m['growth']:.0f} | < 300 |",
+          f"| RSS every 5 s (MB) | {' '.join(map(str, m['every_5s']))} | |",
           f"| tracebacks in the service log | {res['tracebacks_in_service_log']} | 0 |", "",
           "Statuses: " + ", ".join(f"{k} ×{v}" for k, v in res["statuses"].items())]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")

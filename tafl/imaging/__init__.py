@@ -11,9 +11,10 @@ pydicom only (no torch): serving and in-process scoring run without it. Below tr
 serving and clients; it imports nothing of tafl but `tafl.errors`.
 """
 
-from tafl.imaging.decode import UNKNOWN_NBYTES, DecodedImage, decode_file, decode_image, decoded_nbytes
+from tafl.imaging.decode import (UNKNOWN_NBYTES, DecodedImage, decode_file, decode_image, decoded_nbytes,
+                                 is_dicom)
 from tafl.imaging.pixels import minmax_u8, pil_to_uint8
 from tafl.imaging.preprocess import Preprocess
 
 __all__ = ["UNKNOWN_NBYTES", "DecodedImage", "Preprocess", "decode_file", "decode_image", "decoded_nbytes",
-           "minmax_u8", "pil_to_uint8"]
+           "is_dicom", "minmax_u8", "pil_to_uint8"]

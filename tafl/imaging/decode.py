@@ -150,6 +150,11 @@ def decode_file(path: str | Path, *, max_bytes: int = 512 * 2**20, max_pixels: i
 # --------------------------------------------------------------------------- sniffing
 
 
+def is_dicom(data: bytes) -> bool:
+    """Whether `decode_image` would read `data` as DICOM (Part 10 with 'DICM', or a bare data set)."""
+    return data[128:132] == b"DICM" or _looks_like_bare_dataset(data)
+
+
 def _looks_like_bare_dataset(data: bytes) -> bool:
     """A DICOM data set written without preamble and 'DICM': starts with a group 0002/0008 tag."""
     if len(data) < 8:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import hmac
 import json
 import logging
@@ -20,7 +21,7 @@ import os
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -34,7 +35,7 @@ from starlette.routing import Route
 from tafl.errors import (BadRequest, ConfigError, PayloadTooLarge, ServiceError, ServiceUnavailable,
                          TaflError, Unauthorized, UnsupportedMedia)
 from tafl.imaging.heatmap import overlay, png_bytes
-from tafl.imaging import decode_image, decoded_nbytes
+from tafl.serving.decoding import INLINE_BYTES, DecodePool, decode_upload, default_processes
 from tafl.serving.multipart import parse_simple
 from tafl.serving.runtime import LoadedModel, ModelRegistry
 
@@ -68,6 +69,7 @@ class Settings:
     prior_min_images: int = 100  # fewer images behind the estimate: prior=adaptive falls back to the source prior
     max_request_frames: int = 256  # decoded frames in one request, all its files together (/predict/batch)
     max_request_pixels: int = 100_000_000  # decoded pixels in one request, all its files together
+    decode_processes: int = field(default_factory=default_processes)  # DICOM decoder processes; 0: threads
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -93,7 +95,8 @@ class Settings:
                    prior_refresh=int(env.get("TAFL_PRIOR_REFRESH", "50")),
                    prior_min_images=int(env.get("TAFL_PRIOR_MIN_IMAGES", "100")),
                    max_request_frames=int(env.get("TAFL_MAX_REQUEST_FRAMES", "256")),
-                   max_request_pixels=int(float(env.get("TAFL_MAX_REQUEST_PIXELS", "100000000"))))
+                   max_request_pixels=int(float(env.get("TAFL_MAX_REQUEST_PIXELS", "100000000"))),
+                   decode_processes=int(env.get("TAFL_DECODE_PROCESSES", str(default_processes()))))
 
 
 class State:
@@ -104,6 +107,7 @@ class State:
     counter: Any = None  # prometheus counter of predicted classes
     case_mix: Any = None  # prometheus gauge: the estimated prior per model and class
     case_mix_shift: Any = None  # prometheus gauge: its total-variation distance from the source prior
+    decode_pool: DecodePool | None = None  # DICOM decoder processes (tafl.serving.decoding)
 
 
 state = State()
@@ -125,6 +129,12 @@ def configure(settings: Settings, registry: ModelRegistry, counter: Any = None, 
               case_mix_shift: Any = None) -> None:
     state.settings, state.registry, state.counter = settings, registry, counter
     state.case_mix, state.case_mix_shift = case_mix, case_mix_shift
+    if state.decode_pool is not None:
+        state.decode_pool.close()
+    state.decode_pool = DecodePool(settings.decode_processes)
+    pids = state.decode_pool.warm()
+    if pids:
+        log.info("DICOM decoding runs in %d decoder process(es)", len(pids))
     _counters.clear()
     _published.clear()
     logging.getLogger("pydicom").setLevel(logging.ERROR)  # its warnings can quote tag values (patient data)
@@ -326,13 +336,9 @@ def _observe(model: LoadedModel, out: dict[str, np.ndarray], ratio: np.ndarray |
 
 
 # ------------------------------------------------------------------ inference
-INLINE_BYTES = 256 * 1024  # smaller work runs on the event loop: a thread hop costs more than the work
-
-
 async def _off_loop(size: int, fn, *args, **kw):
-    """Run `fn` in a worker thread when it is big enough to stall other requests, else inline. `size` is what
-    the work allocates (for a decode: `decoded_nbytes`, from the headers; never the upload's size, since a
-    small upload can inflate to gigabytes)."""
+    """Run `fn` in a worker thread when it is big enough to stall other requests (`size`: the bytes it
+    works on), else inline. Decoding has its own rule (tafl.serving.decoding.decode_upload)."""
     if size <= INLINE_BYTES:
         return fn(*args, **kw)
     return await asyncio.to_thread(fn, *args, **kw)
@@ -394,9 +400,9 @@ async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     ratio, prior = _prior_choice(model, options)
     s = state.settings
     t0 = time.perf_counter()
-    decoded = await _off_loop(decoded_nbytes(data), decode_image, data, max_bytes=s.max_upload_bytes,
-                              max_pixels=min(s.max_pixels, s.max_request_pixels),
-                              max_frames=min(s.max_frames, s.max_request_frames))
+    decoded = await decode_upload(state.decode_pool, data, max_bytes=s.max_upload_bytes,
+                                  max_pixels=min(s.max_pixels, s.max_request_pixels),
+                                  max_frames=min(s.max_frames, s.max_request_frames))
     t1 = time.perf_counter()
     out = await _infer(model, decoded.frames, ratio)
     t2 = time.perf_counter()
@@ -479,24 +485,44 @@ async def heatmap(request: Request) -> Response:
     return _fail(exc, rid, audit, start)
 
 
-def _decode_batch(files: list[bytes], s: Settings) -> list[Any]:
-    """Each file decoded (or its error), within the request's admission budget: all files together may decode
-    at most `max_request_frames` frames and `max_request_pixels` pixels. Each file is bounded by its own caps,
-    so the file that crosses the budget costs at most one file's worth before the request is refused (413)."""
-    frames_left, pixels_left, out = s.max_request_frames, s.max_request_pixels, []
-    for data in files:
+async def _decode_batch(files: list[bytes], s: Settings) -> list[Any]:
+    """Each file decoded (or its error), in order, within the request's admission budget: all files together may
+    decode at most `max_request_frames` frames and `max_request_pixels` pixels. A window of files decodes at once
+    (twice the decoder processes, so a batch keeps them busy instead of queueing file by file behind other
+    requests); each file is bounded by its own caps, so crossing the budget costs at most a window of files
+    before the request is refused (413)."""
+    pool = state.decode_pool
+    window = 2 * max(1, pool.processes if pool is not None else 1)
+    limits = {"max_bytes": s.max_upload_bytes, "max_pixels": s.max_pixels, "max_frames": s.max_frames}
+
+    async def one(data: bytes):
         try:
-            d = decode_image(data, max_bytes=s.max_upload_bytes, max_pixels=s.max_pixels, max_frames=s.max_frames)
+            return await decode_upload(pool, data, **limits)
         except ServiceError as exc:
-            out.append(exc)
-            continue
-        frames_left -= len(d.frames)
-        pixels_left -= sum(int(f.shape[0]) * int(f.shape[1]) for f in d.frames)
-        if frames_left < 0 or pixels_left < 0:
-            raise PayloadTooLarge(f"the request holds more than {s.max_request_frames} frames or "
-                                  f"{s.max_request_pixels:,} pixels in all its images together: send fewer or "
-                                  "smaller images per request")
-        out.append(d)
+            return exc
+
+    pending = collections.deque(asyncio.ensure_future(one(f)) for f in files[:window])
+    rest = iter(files[window:])
+    frames_left, pixels_left, out = s.max_request_frames, s.max_request_pixels, []
+    try:
+        while pending:
+            d = await pending.popleft()
+            nxt = next(rest, None)
+            if nxt is not None:
+                pending.append(asyncio.ensure_future(one(nxt)))
+            if isinstance(d, ServiceError):
+                out.append(d)
+                continue
+            frames_left -= len(d.frames)
+            pixels_left -= sum(int(f.shape[0]) * int(f.shape[1]) for f in d.frames)
+            if frames_left < 0 or pixels_left < 0:
+                raise PayloadTooLarge(f"the request holds more than {s.max_request_frames} frames or "
+                                      f"{s.max_request_pixels:,} pixels in all its images together: send fewer or "
+                                      "smaller images per request")
+            out.append(d)
+    finally:
+        for task in pending:
+            task.cancel()
     return out
 
 
@@ -519,7 +545,7 @@ async def predict_batch(request: Request) -> Response:
         ratio, prior = _prior_choice(model, options)
         prior["posteriors"] = _flag(options.get("posteriors", "false"), "posteriors")
         audit["prior"] = prior["used"]
-        decoded = await asyncio.to_thread(_decode_batch, files, s)
+        decoded = await _decode_batch(files, s)
         frames = [d.frames for d in decoded if not isinstance(d, Exception)]
         out = await _infer(model, [f for fs in frames for f in fs], ratio) if frames else {}
         return model, decoded, out, prior

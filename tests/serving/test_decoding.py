@@ -1,0 +1,77 @@
+"""The service's DICOM decoder processes (tafl.serving.decoding.DecodePool): the same frames as decoding
+in-process, pools retired after their quota without a hang, and a decoder process killed mid-decode is
+replaced and its files decoded again (the service answers, nobody gets a 500)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pydicom
+import pytest
+
+from tafl.errors import UnsupportedMedia
+from tafl.imaging import decode_image
+from tafl.serving import decoding
+from tafl.serving.decoding import DecodePool, decode_upload
+from tests.conftest import digit_png, shared
+
+CT = open(pydicom.data.get_testdata_file("CT_small.dcm"), "rb").read()
+
+
+@pytest.fixture
+def pool():
+    p = DecodePool(2)
+    p.warm()
+    yield p
+    p.close()
+
+
+def test_decoder_processes_give_the_frames_of_an_in_process_decode(pool):
+    j2k = shared("dicom", "MR2_J2KR.dcm").read_bytes()
+
+    async def go():
+        return await asyncio.gather(decode_upload(pool, CT), decode_upload(pool, j2k), decode_upload(pool, digit_png(1)))
+
+    ct, mr, png = asyncio.run(go())
+    for got, data in ((ct, CT), (mr, j2k), (png, digit_png(1))):
+        want = decode_image(data)
+        assert got.kind == want.kind and got.info == want.info
+        assert all(np.array_equal(a, b) for a, b in zip(got.frames, want.frames))
+    with pytest.raises(UnsupportedMedia):  # errors come back as themselves, with their status
+        asyncio.run(pool.decode(b"%PDF-1.4 not an image"))
+
+
+def test_a_pool_is_retired_after_its_quota_without_hanging(pool, monkeypatch):
+    monkeypatch.setattr(decoding, "TASKS_PER_POOL", 5)
+
+    async def go():
+        return await asyncio.wait_for(asyncio.gather(*(pool.decode(CT) for _ in range(40))), 120)
+
+    out = asyncio.run(go())
+    assert len(out) == 40 and all(d.kind == "dicom" for d in out)
+    assert pool.recycled >= 5
+
+
+def test_a_killed_decoder_process_is_replaced_and_its_files_decoded_again(pool):
+    big = shared("dicom", "RG3_J2KR.dcm").read_bytes()  # a slow J2K decode, so the kill lands mid-decode
+    pids = pool.warm()
+
+    async def go():
+        tasks = [asyncio.ensure_future(pool.decode(big)) for _ in range(4)]
+        await asyncio.sleep(0.3)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    out = asyncio.run(go())
+    assert len(out) == 4 and all(d.kind == "dicom" and d.frames for d in out)
+    assert pool.replaced >= 1
+    assert asyncio.run(pool.decode(CT)).kind == "dicom"  # the new pool serves the next request
+
+
+def test_without_processes_dicom_decodes_in_a_thread():
+    p = DecodePool(0)
+    assert p.warm() == [] and asyncio.run(decode_upload(p, CT)).kind == "dicom"
