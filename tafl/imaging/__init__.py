@@ -12,9 +12,9 @@ serving and clients; it imports nothing of tafl but `tafl.errors`.
 """
 
 from tafl.imaging.decode import (UNKNOWN_NBYTES, DecodedImage, decode_file, decode_image, decoded_nbytes,
-                                 is_dicom)
+                                 dicom_transfer_syntax, is_dicom)
 from tafl.imaging.pixels import minmax_u8, pil_to_uint8
 from tafl.imaging.preprocess import Preprocess
 
 __all__ = ["UNKNOWN_NBYTES", "DecodedImage", "Preprocess", "decode_file", "decode_image", "decoded_nbytes",
-           "is_dicom", "minmax_u8", "pil_to_uint8"]
+           "dicom_transfer_syntax", "is_dicom", "minmax_u8", "pil_to_uint8"]

@@ -150,6 +150,33 @@ def decode_file(path: str | Path, *, max_bytes: int = 512 * 2**20, max_pixels: i
 # --------------------------------------------------------------------------- sniffing
 
 
+NATIVE_SYNTAXES = frozenset({"1.2.840.10008.1.2", "1.2.840.10008.1.2.1", "1.2.840.10008.1.2.2"})
+
+
+def dicom_transfer_syntax(data: bytes) -> str | None:
+    """The transfer syntax UID in a Part 10 file's meta group (a few hundred bytes read, never raises); None
+    for a bare data set (which is in a native encoding) or a meta group it cannot read."""
+    try:
+        if data[128:132] != b"DICM":
+            return None
+        pos, end = 132, min(len(data), 132 + 64 * 1024)
+        while pos + 8 <= end:
+            group, elem = struct.unpack_from("<HH", data, pos)
+            if group != 2:
+                return None
+            if data[pos + 4:pos + 6] in _LONG_VRS:
+                length, head = struct.unpack_from("<I", data, pos + 8)[0], 12
+            else:
+                length, head = struct.unpack_from("<H", data, pos + 6)[0], 8
+            if elem == 0x0010:
+                uid = data[pos + head:pos + head + min(length, 64)].decode("ascii", "replace").strip("\0 ")
+                return uid if re.fullmatch(r"[0-9.]{1,64}", uid) else None
+            pos += head + length
+    except Exception:  # noqa: BLE001 - a probe never fails
+        return None
+    return None
+
+
 def is_dicom(data: bytes) -> bool:
     """Whether `decode_image` would read `data` as DICOM (Part 10 with 'DICM', or a bare data set)."""
     return data[128:132] == b"DICM" or _looks_like_bare_dataset(data)

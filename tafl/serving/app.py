@@ -131,7 +131,7 @@ def configure(settings: Settings, registry: ModelRegistry, counter: Any = None, 
     state.case_mix, state.case_mix_shift = case_mix, case_mix_shift
     if state.decode_pool is not None:
         state.decode_pool.close()
-    state.decode_pool = DecodePool(settings.decode_processes)
+    state.decode_pool = DecodePool(settings.decode_processes, deadline=max(1.0, settings.timeout_s / 2))
     pids = state.decode_pool.warm()
     if pids:
         log.info("DICOM decoding runs in %d decoder process(es)", len(pids))

@@ -1,13 +1,15 @@
 """Where the service decodes an upload: on the event loop, in a thread, or in a decoder process.
 
-DICOM decoding runs in worker processes (`DecodePool`). The JPEG 2000, JPEG-LS and lossless JPEG
-codecs behind pydicom (pylibjpeg-openjpeg, pyjpegls, pylibjpeg-libjpeg) hold the GIL for a whole
-frame, and pydicom's parsing is pure Python: in a thread, a 0.2 s J2K decode stalls the event loop,
-and with it /healthz and every other request, for its whole duration (measured in
-docs/results.md §8). A process has its own GIL, so the loop stays free, decoding uses both cores,
-and a codec that crashes on a crafted file takes down a decoder process (replaced at once and the
-file answered 422), not the service. PNG and JPEG stay in-process: Pillow releases the GIL while it
-decodes; small ones run on the loop, larger ones (by `decoded_nbytes`, from the headers) in a thread.
+Compressed DICOM decodes in worker processes (`DecodePool`). The JPEG 2000, JPEG-LS and JPEG codecs
+behind pydicom (pylibjpeg-openjpeg, pyjpegls, pylibjpeg-libjpeg), RLE and deflate hold the GIL for a
+whole frame: in a thread, a 0.2 s J2K decode stalls the event loop, and with it /healthz and every
+other request, for its whole duration (docs/results.md §5.2: /healthz p99 490 ms in a soak with
+threads, 34 ms with processes). A process has its own GIL, so the loop stays free, and a codec that
+crashes on a crafted file takes down a decoder process (replaced at once, the file tried once more
+and then answered 422), not the service. Native (uncompressed) DICOM, PNG and JPEG stay in-process:
+their pixel work is numpy or Pillow, which release the GIL, and the process hop would cost a third of
+the throughput on a large uncompressed image (measured); small ones run on the loop, larger ones
+(by `decoded_nbytes`, from the headers) in a thread.
 
 TAFL_DECODE_PROCESSES (default: min(2, cores)) sets the pool's size; 0 decodes DICOM in threads too.
 """
@@ -24,7 +26,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from tafl.errors import UnprocessableImage
-from tafl.imaging import DecodedImage, decode_image, decoded_nbytes, is_dicom
+from tafl.imaging import DecodedImage, decode_image, decoded_nbytes, dicom_transfer_syntax, is_dicom
+from tafl.imaging.decode import NATIVE_SYNTAXES
 
 log = logging.getLogger("tafl.serving")
 
@@ -45,8 +48,9 @@ def _warm() -> int:  # imports the decoder (pydicom, codecs) in a fresh worker
 class DecodePool:
     """Decoder processes for DICOM uploads (spawned, so no ONNX Runtime threads or locks are inherited)."""
 
-    def __init__(self, processes: int):
+    def __init__(self, processes: int, deadline: float = 15.0):
         self.processes = max(0, processes)
+        self.deadline = deadline  # seconds one file may take in a decoder process
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self.replaced = 0  # pools rebuilt after a decoder process died
@@ -80,11 +84,14 @@ class DecodePool:
         ex = self._executor()
         return sorted({f.result() for f in [ex.submit(_warm) for _ in range(self.processes * 2)]})
 
-    def _replace(self, broken: ProcessPoolExecutor) -> None:
+    def _replace(self, broken: ProcessPoolExecutor, kill: bool = False) -> None:
         with self._lock:
             if self._pool is broken:
                 self._pool = None
                 self.replaced += 1
+        if kill:  # a decode past its deadline: its process is stopped, not left to burn a core
+            for proc in list(getattr(broken, "_processes", {}).values()):  # the executor's own process table
+                proc.kill()
         broken.shutdown(wait=False, cancel_futures=True)
 
     async def decode(self, data: bytes, **limits) -> DecodedImage:
@@ -93,8 +100,15 @@ class DecodePool:
         for attempt in (1, 2):
             ex = self._executor()
             try:
-                return await asyncio.get_running_loop().run_in_executor(ex, functools.partial(decode_image, data,
-                                                                                           **limits))
+                future = asyncio.wrap_future(ex.submit(functools.partial(decode_image, data, **limits)))
+                return await asyncio.wait_for(future, self.deadline)
+            except asyncio.TimeoutError:
+                # bounded time: a file still decoding after the deadline (or a decoder that stopped answering)
+                # costs its processes; the files they held are tried again on new ones
+                log.warning("a DICOM decode took longer than %g s; its decoder processes are replaced", self.deadline)
+                self._replace(ex, kill=True)
+                raise UnprocessableImage(f"the DICOM file took longer than {self.deadline:g} s to decode: export it "
+                                         "uncompressed, or as fewer or smaller frames, and resend it") from None
             except BrokenProcessPool:
                 # a decoder process died (a codec crash or the OOM killer) while this pool had work: a new pool
                 # serves the next requests. Every file the dead pool held is tried once more, so only the file
@@ -111,9 +125,16 @@ class DecodePool:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
+def needs_codec(data: bytes) -> bool:
+    """Whether a DICOM's pixel data goes through a codec (compressed or deflated, or a syntax it cannot read),
+    which holds the GIL: native (uncompressed) pixel data is numpy work and decodes in a thread."""
+    ts = dicom_transfer_syntax(data)
+    return ts is not None and ts not in NATIVE_SYNTAXES
+
+
 async def decode_upload(pool: DecodePool | None, data: bytes, **limits) -> DecodedImage:
     """Decode one upload where it costs the event loop least (see the module's docstring)."""
-    if pool is not None and pool.processes and is_dicom(data):
+    if pool is not None and pool.processes and is_dicom(data) and needs_codec(data):
         return await pool.decode(data, **limits)
     if decoded_nbytes(data) <= INLINE_BYTES:
         return decode_image(data, **limits)

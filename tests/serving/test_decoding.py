@@ -12,7 +12,7 @@ import numpy as np
 import pydicom
 import pytest
 
-from tafl.errors import UnsupportedMedia
+from tafl.errors import UnprocessableImage, UnsupportedMedia
 from tafl.imaging import decode_image
 from tafl.serving import decoding
 from tafl.serving.decoding import DecodePool, decode_upload
@@ -75,3 +75,17 @@ def test_a_killed_decoder_process_is_replaced_and_its_files_decoded_again(pool):
 def test_without_processes_dicom_decodes_in_a_thread():
     p = DecodePool(0)
     assert p.warm() == [] and asyncio.run(decode_upload(p, CT)).kind == "dicom"
+
+
+def test_a_decode_past_its_deadline_is_a_422_and_the_pool_is_replaced():
+    slow = shared("dicom", "RG3_J2KR.dcm").read_bytes()
+    p = DecodePool(2, deadline=0.01)
+    p.warm()
+    try:
+        with pytest.raises(UnprocessableImage, match="longer than"):
+            asyncio.run(p.decode(slow))
+        assert p.replaced == 1
+        p.deadline = 60
+        assert asyncio.run(p.decode(CT)).kind == "dicom"
+    finally:
+        p.close()
