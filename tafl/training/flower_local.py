@@ -33,8 +33,11 @@ class LocalFederation:
         self.port = free_port()
         self.warm = warm
         self.node_configs = node_configs or [f"partition-id={i} num-partitions={nodes}" for i in range(nodes)]
+        # Flower's own processes start their helpers (flower-superexec, ...) by name: this interpreter's bin
+        # folder goes first on their PATH, so a venv that was never activated works too
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         self.env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0",
-                        FLWR_DISABLE_UPDATE_CHECK="1")
+                        FLWR_DISABLE_UPDATE_CHECK="1", PATH=path)
         self.link: subprocess.Popen | None = None
         self.supernodes: list[subprocess.Popen] = []
         self.clientapps: list[subprocess.Popen | None] = []  # the warm ClientApp process of each node (None: cold)
