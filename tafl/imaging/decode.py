@@ -624,11 +624,15 @@ def _scan_dicom(data: bytes, *, max_elements: int, max_depth: int, probe: bool =
     return st
 
 
+# (uint16, uint32) unpackers per byte order, built once: the walk recurses per sequence item
+_STRUCTS = {o: (struct.Struct(o + "H"), struct.Struct(o + "I")) for o in "<>"}
+
+
 def _walk(data: bytes, pos: int, end: int, explicit: bool, little: bool, depth: int, st: _Scan,
           max_elements: int, max_depth: int, probe: bool) -> int:
     """Walk elements from `pos` up to `end` or an item delimiter; returns the offset after them."""
     order = "<" if little else ">"
-    u16, u32 = struct.Struct(order + "H"), struct.Struct(order + "I")
+    u16, u32 = _STRUCTS[order]
     while pos + 8 <= end:
         group, elem = u16.unpack_from(data, pos)[0], u16.unpack_from(data, pos + 2)[0]
         tag = group << 16 | elem
@@ -684,7 +688,7 @@ def _walk(data: bytes, pos: int, end: int, explicit: bool, little: bool, depth: 
 def _walk_items(data: bytes, pos: int, stop: int, explicit: bool, little: bool, depth: int, st: _Scan,
                 max_elements: int, max_depth: int, probe: bool) -> int:
     order = "<" if little else ">"
-    u16, u32 = struct.Struct(order + "H"), struct.Struct(order + "I")
+    u16, u32 = _STRUCTS[order]
     while pos + 8 <= stop:
         tag = u16.unpack_from(data, pos)[0] << 16 | u16.unpack_from(data, pos + 2)[0]
         length = u32.unpack_from(data, pos + 4)[0]
