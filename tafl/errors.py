@@ -10,6 +10,7 @@ Third-party errors are wrapped at the boundary (``raise DataError(...) from exc`
     ├── CheckpointError          a checkpoint that is missing, corrupt or foreign     400
     ├── PackageError             a model package that is incomplete or tampered       400
     ├── RunDirError              an output folder that holds another run              400
+    ├── TrainingDiverged         a run whose loss or weights stopped being finite     (CLI only)
     └── ServiceError             errors the service answers with their own status
         ├── BadRequest           400
         ├── Unauthorized         401
@@ -53,6 +54,13 @@ class PackageError(TaflError):
 
 class RunDirError(TaflError):
     status = 400
+
+
+class TrainingDiverged(TaflError):
+    """Training stopped: the global model or the clients' losses are no longer finite (or exploded).
+    The checkpoints of the rounds before stay; no final model is written."""
+
+    status = 500
 
 
 class ServiceError(TaflError):

@@ -36,7 +36,7 @@ def smoke_cfg():
 
 
 SMOKE_GTAFL = {"method": "gtafl", "simclr_steps": 2, "simclr_batch": 32, "retrain_epochs": 20, "match_steps": 20}
-SMOKE_DAFL = {"method": "dafl", "backbone": "vit_tafl_tiny", "optimizer": "adam", "lr": 0.002}
+SMOKE_DAFL = {"method": "dafl", "backbone": "vit_tafl_tiny", "tokenizer": "conv", "optimizer": "adam", "lr": 0.002}
 
 
 def _trained(tmp_path_factory, name: str, overrides: dict) -> Path:

@@ -60,6 +60,11 @@ class RunConfig:
     optimizer: str = "sgd"  # local optimizer: sgd | adam (DAFL's paper uses Adam, lr 1e-4)
     mu: float = 0.01  # FedProx proximal coefficient
     augment: bool = True  # random crop (pad 1/8 of the side) and horizontal flip during local training
+    # extra augmentation on top of crop and flip: none | trivial (timm's TrivialAugment-style wide policy,
+    # one random op per image) | randaugment (timm's RandAugment, 2 ops at magnitude 9)
+    augment_policy: str = "none"
+    lr_schedule: str = "constant"  # constant | cosine: the local lr follows a cosine over the rounds
+    warmup_rounds: int = 0  # rounds of linear lr warm-up before the schedule (from lr/warmup_rounds)
     # --- GTAFL / CReFF (docs/design.md §4); the four ablation switches are Table IV's CR, EN, CL, GS ---
     cr: bool = True  # classifier retraining on global federated features (off: predict with the FedAvg head)
     en: bool = True  # forward/uniform/backward expert ensemble (off: the uniform expert alone)
@@ -129,6 +134,9 @@ class RunConfig:
     gamma_fixed: bool = False  # keep γ at gamma_init instead of learning it
     gamma_max: float = 5.0  # learnable γ is clamped to [0, gamma_max] (unclamped it grows without bound)
     dafl_lambda: float = 0.5  # λ in c_{f,t} = λ·c_k + (1 − λ)·c_{f,t}
+    # scale of the two DAFL terms: mean (c_k over the mean of the round's clients' c_k, c_{f,t} over its mean
+    # across classes: both near 1, docs/design.md §5.1) | paper (the literal counts ratios, c ≈ 100 on DermaMNIST)
+    dafl_scale: str = "mean"
     aggregation: str = "imbalance"  # imbalance: ω_k ∝ 1/(c_k + ε); size: FedAvg's sample-count weights
     # --- model ---
     backbone: str = "resnet8"  # resnet8, vit_tafl_tiny, or any timm ViT name
@@ -137,6 +145,7 @@ class RunConfig:
     embed_dim: int | None = None  # ViT width override
     depth: int | None = None  # ViT depth override
     num_heads: int | None = None  # ViT heads override
+    tokenizer: str = "patch"  # ViT tokens: patch (timm's linear patch embedding) | conv (a conv stem, trains from scratch)
     pretrained: str | None = None  # path to local weights, or "hub" to download (needs a network)
     # --- run ---
     engine: str = "simulator"  # simulator (in-process) | flower (Flower's simulation engine; see docs/flower.md)
@@ -257,6 +266,16 @@ class RunConfig:
             raise bad("loss", "choose dafl, focal or ce")
         if self.aggregation not in ("imbalance", "size"):
             raise bad("aggregation", "choose imbalance or size")
+        if self.dafl_scale not in ("mean", "paper"):
+            raise bad("dafl_scale", "choose mean or paper")
+        if self.tokenizer not in ("patch", "conv"):
+            raise bad("tokenizer", "choose patch or conv")
+        if self.augment_policy not in ("none", "trivial", "randaugment"):
+            raise bad("augment_policy", "choose none, trivial or randaugment")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise bad("lr_schedule", "choose constant or cosine")
+        if not 0 <= self.warmup_rounds < max(self.rounds, 1):
+            raise bad("warmup_rounds", f"must be in [0, rounds={self.rounds})")
         if not 0 <= self.dafl_lambda <= 1:
             raise bad("dafl_lambda", "must be in [0, 1]")
         if not 0 <= self.gamma_init <= self.gamma_max:

@@ -1,7 +1,9 @@
 """Local training on one client: batches, augmentation and the SGD loop every method shares.
 
 `local_sgd` runs E epochs over a client's data (uniform shuffling, or weighted sampling with
-replacement for GI-GDS), with an optional proximal term (FedProx) and a pluggable loss (DAFL).
+replacement for GI-GDS), with an optional proximal term (FedProx) and a pluggable loss (DAFL);
+`scheduled_lr` gives a round's learning rate (warm-up, cosine) and `PolicyAugment` timm's
+RandAugment / TrivialAugment policies.
 Augmentation (random crop after padding by 1/8 of the side, horizontal flip) is done on whole
 uint8 batches in torch, drawn from the client's own generator, so a run is deterministic.
 """
@@ -34,6 +36,59 @@ def augment_batch(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return out.permute(0, 3, 1, 2).contiguous()  # advanced indexing puts C last: (B, H, W, C) -> (B, C, H, W)
 
 
+POLICIES = {"trivial": "rand-n1-m10-mstd101-inc1", "randaugment": "rand-n2-m9-mstd0.5-inc1"}
+
+
+class PolicyAugment:
+    """timm's RandAugment ops on whole uint8 batches (B, H, W, C), one image at a time through PIL.
+
+    `trivial` is TrivialAugment's recipe in timm's terms (one op, magnitude drawn uniformly from
+    [0, 10]); `randaugment` is RandAugment (two ops, magnitude 9 ± 0.5). timm's ops draw from
+    Python's `random` and NumPy's global generator; both are seeded from the client's torch generator per batch, so a run stays
+    deterministic.
+    """
+
+    def __init__(self, policy: str, channels: int):
+        from timm.data.auto_augment import rand_augment_transform
+
+        fill = (128,) * 3 if channels == 3 else 128
+        self.op = rand_augment_transform(POLICIES[policy], {"img_mean": fill})
+        self.channels = channels
+
+    def __call__(self, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        import random
+
+        import numpy as np
+        from PIL import Image
+
+        state, np_state = random.getstate(), np.random.get_state()
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            arr = batch.numpy()
+            out = np.empty_like(arr)
+            for i, img in enumerate(arr):
+                pil = Image.fromarray(img[..., 0] if self.channels == 1 else img)
+                res = np.asarray(self.op(pil))
+                out[i] = res[..., None] if self.channels == 1 else res
+        finally:
+            random.setstate(state)
+            np.random.set_state(np_state)
+        return torch.from_numpy(out)
+
+
+def scheduled_lr(lr: float, round_: int, rounds: int, schedule: str = "constant", warmup: int = 0) -> float:
+    """The local learning rate of round `round_` (1-based): linear warm-up, then constant or cosine to 0."""
+    if warmup and round_ <= warmup:
+        return lr * round_ / warmup
+    if schedule == "cosine":
+        span = max(rounds - warmup, 1)
+        t = min(max(round_ - warmup - 1, 0) / span, 1.0)
+        return lr * 0.5 * (1 + math.cos(math.pi * t))
+    return lr
+
+
 def epoch_order(n: int, gen: torch.Generator, weights: torch.Tensor | None = None) -> torch.Tensor:
     """One epoch of row positions: a permutation, or n weighted draws with replacement."""
     if weights is None:
@@ -47,7 +102,8 @@ def local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
               sample_weights: torch.Tensor | None = None, prox_mu: float = 0.0,
               prox_ref: dict[str, torch.Tensor] | None = None, loss_fn: LossFn | None = None,
               extra_params: list[torch.Tensor] | None = None, optimizer: str = "sgd",
-              after_step: Callable[[], None] | None = None) -> dict[str, float]:
+              after_step: Callable[[], None] | None = None,
+              policy: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None) -> dict[str, float]:
     """Train `model` in place on (images uint8 (n,H,W,C), labels (n,)); returns mean loss and step count."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad] + list(extra_params or [])
@@ -67,7 +123,10 @@ def local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
             idx = order[start:start + batch_size]
             if len(idx) < 2 and n >= 2:
                 continue  # BatchNorm cannot train on a single sample
-            x = normalize(images[idx])
+            raw = images[idx]
+            if policy is not None:
+                raw = policy(raw, gen)
+            x = normalize(raw)
             if augment:
                 x = augment_batch(x, gen)
             y = labels[idx].to(x.device)

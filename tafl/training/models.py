@@ -2,7 +2,7 @@
 
 `resnet8` is CReFF's ResNet-8 (3×3 conv, one BasicBlock per stage at 64/128/256 channels times
 `width`, global average pooling); `vit_tafl_tiny` is a small timm ViT that trains on 28×28 on a
-CPU; any other timm ViT is built with `timm.create_model(name, pretrained=False, img_size=...,
+CPU, with timm's patch embedding or (`tokenizer: conv`) a convolutional tokenizer; any other timm ViT is built with `timm.create_model(name, pretrained=False, img_size=...,
 patch_size=..., in_chans=..., num_classes=0)`. The frozen `ModelConfig` travels in every
 checkpoint and package, so a checkpoint alone rebuilds its model.
 """
@@ -33,6 +33,7 @@ class ModelConfig:
     embed_dim: int | None = None  # ViT overrides (None: the backbone's own)
     depth: int | None = None
     num_heads: int | None = None
+    tokenizer: str = "patch"  # ViT tokens: patch (one linear patch embedding) | conv (a small conv stem)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +99,53 @@ class ResNet8(nn.Module):
 
 
 # ---------------------------------------------------------------- ViT (timm)
+class ConvTokenizer(nn.Module):
+    """Patch tokens from a small convolutional stem (the compact-transformer tokenizer).
+
+    log2(patch) stages of conv 3×3 (stride 1) → ReLU → max-pool 3×3 stride 2: a 28×28 image with
+    patch 4 becomes a 7×7 grid, token (i, j) centred on the pixels the patch (i, j) covers, so the
+    rollout's grid still maps onto image regions. A drop-in for timm's `PatchEmbed` (same
+    attributes: img_size, patch_size, grid_size, num_patches, feat_ratio, output (B, N, D)).
+    """
+
+    def __init__(self, img_size: int | tuple[int, int] = 28, patch_size: int | tuple[int, int] = 4,
+                 in_chans: int = 3, embed_dim: int = 96, bias: bool = True, hidden: int = 32, **_: Any):
+        super().__init__()
+        side = img_size if isinstance(img_size, int) else int(img_size[0])
+        p = patch_size if isinstance(patch_size, int) else int(patch_size[0])
+        stages = int(round(math.log2(p))) if p >= 1 else -1
+        if stages < 1 or 2 ** stages != p:
+            raise ConfigError(f"the conv tokenizer needs a patch size that is a power of two >= 2, got {p}")
+        if side % p:
+            raise ConfigError(f"the conv tokenizer needs img_size divisible by the patch size ({side} % {p})")
+        layers: list[nn.Module] = []
+        chans = in_chans
+        for i in range(stages):
+            out = embed_dim if i == stages - 1 else hidden
+            layers += [nn.Conv2d(chans, out, 3, 1, 1, bias=bias and i == stages - 1), nn.ReLU(inplace=True),
+                       nn.MaxPool2d(3, 2, 1)]
+            chans = out
+        self.proj = nn.Sequential(*layers)
+        self.img_size = (side, side)
+        self.patch_size = (p, p)
+        self.grid_size = (side // p, side // p)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.flatten = True
+        self.dynamic_img_pad = False
+        for m in self.proj:
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+
+    def feat_ratio(self, as_scalar: bool = True) -> int | tuple[int, int]:
+        return self.patch_size[0] if as_scalar else self.patch_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, gh·gw, D)
+
+
+TOKENIZERS = ("patch", "conv")
+
+
 def _auto_patch(img_size: int) -> int:
     """Largest divisor p <= 16 of img_size leaving a grid of at least 7×7 patches."""
     best = 1
@@ -123,6 +171,12 @@ def _build_vit(cfg: ModelConfig, pretrained: bool) -> nn.Module:
     for key in ("embed_dim", "depth", "num_heads"):
         if getattr(cfg, key) is not None:
             kwargs[key] = getattr(cfg, key)
+    if cfg.tokenizer not in TOKENIZERS:
+        raise ConfigError(f"unknown tokenizer '{cfg.tokenizer}': choose {' or '.join(TOKENIZERS)}")
+    if cfg.tokenizer == "conv":
+        if pretrained:
+            raise ConfigError("hub weights have a patch embedding: use tokenizer 'patch' with pretrained weights")
+        kwargs["embed_layer"] = ConvTokenizer
     try:
         model = timm.create_model(name, pretrained=pretrained, img_size=cfg.img_size, in_chans=cfg.in_chans,
                                   num_classes=0, **kwargs)

@@ -76,7 +76,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     cc = client_class_counts(train.labels, parts, ds.num_classes)
     model_cfg = ModelConfig(backbone=cfg.backbone, num_classes=ds.num_classes, in_chans=ds.preprocess.channels,
                             img_size=ds.preprocess.size, width=cfg.width, patch_size=cfg.patch_size,
-                            embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads)
+                            embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads,
+                            tokenizer=cfg.tokenizer)
     return Prepared(ds, train, parts, holdouts, ranks, counts, cc, model_cfg, index_hash(cfg.dataset, train.ids, train.labels))
 
 
@@ -327,7 +328,48 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     book["history"].append({"round": r, "clients": selected, "loss": float(np.mean(finite)) if finite else float("nan"),
                             "dropped": sorted(set(state.meta.get("dropped", [])) | (set(selected) - answered)),
                             "seconds": time.perf_counter() - t_round})
+    steps = sum(res.metrics.get("steps", 0.0) + res.metrics.get("nonfinite_steps", 0.0) for res in results)
+    bad_steps = sum(res.metrics.get("nonfinite_steps", 0.0) for res in results)
+    book["history"][-1]["nonfinite_share"] = float(bad_steps / steps) if steps else 0.0
+    check_divergence(book["history"], state, cfg)
     return state
+
+
+EXPLODED = 1e3  # a round's mean loss this many times the first round's is a divergence
+BAD_ROUNDS = 2  # consecutive rounds with no usable update (or mostly non-finite steps) before stopping
+
+
+def check_divergence(history: list[dict[str, Any]], state: GlobalState, cfg: RunConfig) -> None:
+    """Stop a run that has diverged, with a message a person can act on, before its round is saved.
+
+    Diverged: the aggregated weights hold NaN/Inf; or the round's mean loss is EXPLODED times the
+    first round's; or BAD_ROUNDS rounds in a row had every client dropped, no finite loss, or more
+    than half the local steps non-finite. Dropping a few clients for NaN is not a divergence.
+    """
+    h = history[-1]
+    why = None
+    bad = [k for k, v in state.weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        why = f"the aggregated weights hold NaN or Inf ({', '.join(bad[:3])}{'…' if len(bad) > 3 else ''})"
+    first = next((x["loss"] for x in history if np.isfinite(x.get("loss", np.nan))), None)
+    if why is None and first is not None and np.isfinite(h["loss"]) and h["loss"] > EXPLODED * max(first, 1e-3):
+        why = f"the mean local loss exploded from {first:.4g} (round {history[0]['round']}) to {h['loss']:.4g}"
+
+    def broken(x: dict[str, Any]) -> bool:
+        return (not np.isfinite(x.get("loss", np.nan)) or x.get("nonfinite_share", 0.0) > 0.5
+                or (bool(x.get("clients")) and set(x.get("dropped", [])) >= set(x["clients"])))
+
+    if why is None and len(history) >= BAD_ROUNDS and all(broken(x) for x in history[-BAD_ROUNDS:]):
+        why = (f"{BAD_ROUNDS} rounds in a row had no usable client update (every client dropped, no finite loss, "
+               f"or most local steps non-finite)")
+    if why is not None:
+        from tafl.errors import TrainingDiverged
+
+        hint = ("lower --lr" + (" or use --optimizer adam" if cfg.optimizer == "sgd" else "")
+                + (" (with --dafl-scale paper the loss is ~100x cross-entropy: try --dafl-scale mean)"
+                   if cfg.method == "dafl" and cfg.dafl_scale == "paper" and cfg.loss == "dafl" else ""))
+        raise TrainingDiverged(f"training diverged in round {h['round']}: {why}. No model was written; the "
+                               f"checkpoints of earlier rounds are kept. Try: {hint}.")
 
 
 def _charge(book: dict[str, Any], cost: dict[str, Any]) -> None:

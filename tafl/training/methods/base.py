@@ -108,6 +108,24 @@ class Method:
                            extras={"global_counts": torch.zeros(len(train_counts))},
                            meta={"round": 0, "client_counts": {}})
 
+    # ---- the local recipe every method shares ----
+    def local_lr(self, round_: int) -> float:
+        """This round's local learning rate (cfg.lr under cfg.lr_schedule and cfg.warmup_rounds)."""
+        from tafl.training.local import scheduled_lr
+
+        return scheduled_lr(self.cfg.lr, int(round_), self.cfg.rounds, self.cfg.lr_schedule, self.cfg.warmup_rounds)
+
+    @property
+    def policy(self):
+        """The augmentation policy applied to uint8 batches before normalising, or None."""
+        if self.cfg.augment_policy == "none":
+            return None
+        if getattr(self, "_policy", None) is None:
+            from tafl.training.local import PolicyAugment
+
+            self._policy = PolicyAugment(self.cfg.augment_policy, self.model_cfg.in_chans)
+        return self._policy
+
     # ---- the five steps ----
     def client_stats(self, data: ClientData) -> Tensors:
         return {"class_counts": data.class_counts().to(torch.float32)}

@@ -7,6 +7,12 @@ of class t: −(1 + c_{f,t})·(1 − p_t)^γ·log p_t with c_{f,t} = λ·c_k + (
 learnable from 2.0, clamped to [0, γ_max], and averaged with the model. Aggregation weights
 ω_k ∝ 1/(c_k + ε), normalised over the round's clients (`aggregation: size` gives FedAvg's).
 `loss: focal` (c = 0, γ fixed) and `loss: ce` are the ablation options.
+
+`dafl_scale: paper` uses those counts ratios as they are: on DermaMNIST c_k is about 130 and the
+same for every sample of a client, so the loss is ~100× cross-entropy (SGD at lr 0.1 diverges) and
+the class term moves the relative class weights at most 2.6×. `dafl_scale: mean` (the default)
+divides c_k by the mean c_k of the round's clients and c_{f,t} by its mean over the classes, so
+both terms are near 1 and the class term ranks the classes (docs/design.md §5.1).
 """
 
 from __future__ import annotations
@@ -44,6 +50,16 @@ def aggregation_weights(c_k: list[float]) -> list[float]:
     w = [1.0 / (c + EPS) for c in c_k]
     total = sum(w)
     return [x / total for x in w]
+
+
+def loss_coefficients(c_k: float, c_f: torch.Tensor, lam: float, scale: str, c_k_mean: float | None = None
+                      ) -> torch.Tensor:
+    """The per-class coefficient c_t of the loss's (1 + c_t): λ·c_k + (1 − λ)·c_{f,t}, scaled as configured."""
+    c_f = c_f.to(torch.float32)
+    if scale == "mean":
+        c_k = c_k / max(float(c_k_mean if c_k_mean is not None else c_k), EPS)
+        c_f = c_f / c_f.mean().clamp_min(EPS)
+    return lam * c_k + (1 - lam) * c_f
 
 
 class DAFLLoss(nn.Module):
@@ -85,7 +101,13 @@ class DAFL(Method):
         good = [s["class_counts"] for s in stats.values()
                 if s.get("class_counts") is not None and bool(torch.isfinite(s["class_counts"]).all())]
         c_f = class_imbalance(torch.stack(good)) if good else torch.zeros(self.model_cfg.num_classes)
-        return {"round": round_, "seed": self.cfg.seed, "c_f": [float(v) for v in c_f.tolist()]}
+        c_ks = [float(s["c_k"].reshape(-1)[0]) for s in stats.values()
+                if s.get("c_k") is not None and s["c_k"].numel() == 1 and bool(torch.isfinite(s["c_k"]).all())
+                and float(s["c_k"].reshape(-1)[0]) >= 0]
+        out = {"round": round_, "seed": self.cfg.seed, "c_f": [float(v) for v in c_f.tolist()],
+               "c_k_mean": float(np.mean(c_ks)) if c_ks else None}
+        state.meta["last_round_cfg"] = {"c_f": out["c_f"], "c_k_mean": out["c_k_mean"]}
+        return out
 
     def broadcast(self, state: GlobalState) -> Tensors:
         return {**state.weights, "dafl.gamma": state.extras["dafl.gamma"]}
@@ -104,17 +126,19 @@ class DAFL(Method):
         gamma = float(payload["dafl.gamma"].reshape(-1)[0])
         if cfg.loss != "ce":
             if cfg.loss == "dafl":
-                coef = cfg.dafl_lambda * c_k + (1 - cfg.dafl_lambda) * torch.tensor(round_cfg["c_f"])
+                coef = loss_coefficients(c_k, torch.tensor(round_cfg["c_f"]), cfg.dafl_lambda, cfg.dafl_scale,
+                                         round_cfg.get("c_k_mean"))
                 learn = not cfg.gamma_fixed
             else:  # plain focal loss: no imbalance coefficient, γ fixed
                 coef, learn = torch.zeros(self.model_cfg.num_classes), False
             loss_fn = DAFLLoss(coef, min(max(gamma, 0.0), cfg.gamma_max), learn, cfg.gamma_max).to(self.device)
             extra = [loss_fn.gamma] if learn else []
         metrics = local_sgd(self.model, data.images[data.indices], data.local_labels, normalize=self.normalize,
-                            epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
-                            weight_decay=cfg.weight_decay, gen=self.generator(round_cfg["round"], data.client_id),
-                            augment=cfg.augment, loss_fn=loss_fn, extra_params=extra, optimizer=cfg.optimizer,
-                            after_step=loss_fn.clamp_ if extra else None)
+                            epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=self.local_lr(round_cfg["round"]),
+                            momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                            gen=self.generator(round_cfg["round"], data.client_id), augment=cfg.augment,
+                            loss_fn=loss_fn, extra_params=extra, optimizer=cfg.optimizer,
+                            after_step=loss_fn.clamp_ if extra else None, policy=self.policy)
         if metrics["nonfinite_steps"]:
             log.warning("client %d: %d local step(s) had a non-finite loss and were skipped", data.client_id,
                         int(metrics["nonfinite_steps"]))
@@ -132,6 +156,21 @@ class DAFL(Method):
             return "c_k is negative"
         return None
 
+    def _applied_weights(self, good: list[ClientResult], round_cfg: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The per-class weights 1 + c_t the loss applied this round, for the clients of lowest, median and
+        highest c_k (recomputed from what the server knows: c_f, the round's mean c_k and each c_k)."""
+        if self.cfg.loss != "dafl" or not round_cfg or "c_f" not in round_cfg:
+            return None
+        c_f = torch.tensor(round_cfg["c_f"])
+        ranked = sorted(good, key=lambda r: float(r.extras["c_k"]))
+        out: dict[str, Any] = {}
+        for tag, r in (("min_c_k", ranked[0]), ("median_c_k", ranked[len(ranked) // 2]), ("max_c_k", ranked[-1])):
+            c_k = float(r.extras["c_k"])
+            w = 1 + loss_coefficients(c_k, c_f, self.cfg.dafl_lambda, self.cfg.dafl_scale, round_cfg.get("c_k_mean"))
+            out[tag] = {"client": r.client_id, "c_k": c_k, "weights": [round(float(v), 4) for v in w],
+                        "max_over_min": float(w.max() / w.min())}
+        return out
+
     def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
         good = check_results(state.weights, results, extra_check=self._extras_problem)
         meta = dict(state.meta, round=round_, dropped=[r.client_id for r in results if r not in good])
@@ -148,10 +187,12 @@ class DAFL(Method):
         gamma = min(max(gamma, 0.0), self.cfg.gamma_max)
         extras = dict(state.extras, **{"dafl.gamma": torch.tensor([gamma], dtype=torch.float32)})
         meta["aggregation_weights"] = {str(r.client_id): w for r, w in zip(good, omega)}
+        meta["class_weights"] = self._applied_weights(good, state.meta.get("last_round_cfg"))
         meta["gamma_history"] = list(meta.get("gamma_history", [])) + [gamma]
         return GlobalState(weights, extras, meta)
 
     def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
-        return {"loss": self.cfg.loss, "aggregation": self.cfg.aggregation,
+        return {"loss": self.cfg.loss, "aggregation": self.cfg.aggregation, "dafl_scale": self.cfg.dafl_scale,
+                "class_weights_last_round": state.meta.get("class_weights"),
                 "gamma": float(state.extras["dafl.gamma"].reshape(-1)[0]),
                 "gamma_history": state.meta.get("gamma_history", [])}

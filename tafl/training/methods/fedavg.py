@@ -27,8 +27,9 @@ class FedAvg(Method):
         gen = self.generator(round_cfg["round"], data.client_id)
         cfg = self.cfg
         metrics = local_sgd(self.model, data.images[data.indices], data.local_labels, normalize=self.normalize,
-                            epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
-                            weight_decay=cfg.weight_decay, gen=gen, augment=cfg.augment, prox_mu=self.prox_mu,
+                            epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=self.local_lr(round_cfg["round"]),
+                            momentum=cfg.momentum, weight_decay=cfg.weight_decay, gen=gen, augment=cfg.augment,
+                            policy=self.policy, prox_mu=self.prox_mu,
                             prox_ref=payload if self.prox_mu > 0 else None, optimizer=cfg.optimizer)
         weights = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return ClientResult(data.client_id, len(data), weights, {}, metrics)

@@ -137,9 +137,9 @@ class GTAFL(Method):
             weights, metrics["gigds_alpha"] = cw[labels], alpha
         cfg = self.cfg
         metrics.update(local_sgd(self.model, images, labels, normalize=self.normalize, epochs=cfg.local_epochs,
-                                 batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
-                                 weight_decay=cfg.weight_decay, gen=gen, augment=cfg.augment,
-                                 sample_weights=weights, optimizer=cfg.optimizer))
+                                 batch_size=cfg.batch_size, lr=self.local_lr(round_cfg["round"]),
+                                 momentum=cfg.momentum, weight_decay=cfg.weight_decay, gen=gen, augment=cfg.augment,
+                                 sample_weights=weights, optimizer=cfg.optimizer, policy=self.policy))
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return ClientResult(data.client_id, len(data), state, extras, metrics)
 
