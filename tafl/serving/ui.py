@@ -14,7 +14,7 @@ Content-Security-Policy allows only this service's script and styles as a second
 Auth: with TAFL_API_TOKEN set, `GET /` returns the shell with a token form and nothing about the models; the
 script keeps the token in sessionStorage and fetches `GET /ui/panel` (the models and the form, as an HTML
 fragment) with `Authorization: Bearer`. Without the token the panel route answers the API's 401.
-Static parts of a model's panel (card, accuracy chart, checksums) are rendered once per loaded package.
+Static parts of a model's panel (card, accuracy chart, checksums) are rendered once per package content.
 """
 
 from __future__ import annotations
@@ -229,14 +229,16 @@ def _signature(pkg) -> str:
     return "unsigned; signatures are not required here (no TAFL_TRUSTED_KEYS)"
 
 
-_static_cache: dict[tuple[int, str, str], dict[str, Any]] = {}
+_static_cache: dict[tuple, dict[str, Any]] = {}
 _static_lock = threading.Lock()
 
 
 def _static_view(model, index: int) -> dict[str, Any]:
     """The parts of a model's panel that change only with the package: rendered once per loaded package."""
     pkg = model.package
-    key = (id(pkg), pkg.name, pkg.version)
+    # by content (the verified digests), not object identity: a reload of the same version with other files
+    # renders anew, and a freed package's id reused by another cannot bring back its view
+    key = (index, pkg.name, pkg.version, tuple(sorted(pkg.files.items())), pkg.signed_by)
     with _static_lock:
         hit = _static_cache.get(key)
     if hit is not None:
