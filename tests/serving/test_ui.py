@@ -195,6 +195,12 @@ def page(browser, request):
     browser.save_screenshot(str(ARTIFACTS / f"ui_{name}.png"))
 
 
+def _snap(drv, name: str) -> None:
+    """A screenshot in the middle of a test (the `page` fixture takes the last one)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    drv.save_screenshot(str(ARTIFACTS / f"ui_{name}.png"))
+
+
 def _wait(drv, fn, timeout: float = 30.0):
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -308,6 +314,7 @@ def test_browser_token_mode(page, auth_server, gtafl_pkg, tmp_path):
     page.find_element(By.ID, "token-input").send_keys("not-the-token")
     page.find_element(By.CSS_SELECTOR, "#token-form button").click()
     _wait(page, lambda d: d.find_element(By.ID, "token-error").is_displayed())
+    _snap(page, "test_browser_token_mode_wrong_token")
     assert "Authorization: Bearer" in page.find_element(By.ID, "token-error").text
     assert name not in page.page_source
     assert page.execute_script("return sessionStorage.getItem('tafl.api-token')") is None
@@ -322,6 +329,7 @@ def test_browser_token_mode(page, auth_server, gtafl_pkg, tmp_path):
     want = predict(auth_server, png.read_bytes(), token=TOKEN).json()
     _upload(page, png)  # the form's /predict call carries the bearer header
     _check_result(_rendered(page), want)
+    _snap(page, "test_browser_token_mode_after_the_token")
 
     page.refresh()  # the token is kept for the tab's session
     _wait(page, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-panel") == "loaded")
