@@ -152,6 +152,34 @@ def test_package_text_is_escaped(hostile_server):
     assert len(re.findall(r"<script\b", html)) == 1  # the page's own script only
 
 
+def test_case_mix_estimate_and_its_drift_are_those_of_models(hostile_server):
+    """Past the minimum number of served images the page shows the EM estimate and its distance from the
+    training mix, the same numbers /models reports."""
+    import time
+
+    html = get(hostile_server, "/").text
+    assert "No case-mix estimate in use yet" in html and "drift distance" not in html
+    files = [("file", (f"{i}.png", digit_png(i % 10 + 10 * (i % 3 == 0)), "image/png")) for i in range(128)]
+    for chunk in (files[:64], files[64:]):
+        r = httpx.post(f"{hostile_server.url}/predict/batch", files=chunk, timeout=120)
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while True:  # the estimate is refreshed in its own thread every 50 images
+        est = get(hostile_server, "/models").json()["models"][0]["case_mix"]["estimate"]
+        if est and est["images"] >= 100 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert est and est["images"] >= 100
+    html = get(hostile_server, "/").text
+    shown = re.search(r'drift distance from the training mix\s+\(total variation\) <strong class="drift">([\d.]+)%',
+                      html)
+    assert shown and shown.group(1) == f"{100 * est['shift_from_source']:.1f}"
+    assert f"last {est['images']} served image(s)" in html
+    assert "128 image(s) predicted by this version" in html
+    for p in est["prior"]:  # each class's estimated share is in the per-class table
+        assert f"<td>{100 * p:.1f}%</td>" in html
+
+
 # ---------------------------------------------------------------- a real browser
 ARTIFACTS = Path(os.environ.get("TAFL_TEST_ARTIFACTS") or REPO / "build" / "test-artifacts")
 
