@@ -648,6 +648,8 @@ async def openapi(request: Request) -> Response:
     return JSONResponse(spec(__version__))
 
 
+from tafl.serving import ui  # noqa: E402 - the page for people (GET /, /ui/...; issue 19); it reads `state` lazily
+
 app = Starlette(routes=[
     Route("/openapi.json", openapi, methods=["GET"]),
     Route("/predict", predict, methods=["POST"]),
@@ -655,4 +657,5 @@ app = Starlette(routes=[
     Route("/heatmap", heatmap, methods=["POST"]),
     Route("/models", models, methods=["GET"]),
     Route("/admin/reload", reload, methods=["POST"]),
+    *ui.routes(),
 ])

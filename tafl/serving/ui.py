@@ -1,0 +1,397 @@
+"""The service's page for people (issue 19): `GET /` and `/ui/...`, server-rendered with Jinja2.
+
+Per loaded model it shows name, version, lineage, checksum and signature status, the model card, the
+eleven-distribution accuracy chart and per-class table from the package's metadata, the class mix it has
+predicted since the worker started (the same `tafl_predicted_class` counter `/metrics` reads) beside the
+training mix (the package's source prior), and the case-mix estimate with its distance from that prior. A
+"try an image" form posts to the same `/predict` route as any client (ui/static/ui.js), so the limits, the
+auth and the error messages are the API's own.
+
+Charts are SVG strings drawn here, every text escaped. The model card is Markdown rendered with raw HTML
+off (markdown-it-py; unsafe link schemes refused), so nothing a package carries runs in the browser; a
+Content-Security-Policy allows only this service's script and styles as a second line.
+
+Auth: with TAFL_API_TOKEN set, `GET /` returns the shell with a token form and nothing about the models; the
+script keeps the token in sessionStorage and fetches `GET /ui/panel` (the models and the form, as an HTML
+fragment) with `Authorization: Bearer`. Without the token the panel route answers the API's 401.
+Static parts of a model's panel (card, accuracy chart, checksums) are rendered once per package content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup, escape
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+log = logging.getLogger("tafl.serving")
+
+HERE = Path(__file__).resolve().parent / "ui"
+DISTRIBUTIONS = ("forward50", "forward25", "forward10", "forward5", "forward2", "uniform", "backward2",
+                 "backward5", "backward10", "backward25", "backward50")  # tafl.packaging.card.ORDER
+ASSET_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
+# only this service's own script and styles; uploads' heatmaps come back as data: URLs
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+                    "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
+COLOURS = {"train": "#7a869a", "served": "#1f77b4", "estimate": "#d95f02", "bar": "#2b6cb0"}
+
+_env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")),
+                          autoescape=jinja2.select_autoescape(["html"], default=True),
+                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+
+
+def _load_assets() -> dict[str, tuple[bytes, str, str]]:
+    """name -> (bytes, content type, short digest for cache-busting URLs); read once at import."""
+    out = {}
+    for p in sorted((HERE / "static").iterdir()):
+        if p.suffix in ASSET_TYPES:
+            data = p.read_bytes()
+            out[p.name] = (data, ASSET_TYPES[p.suffix], hashlib.sha256(data).hexdigest()[:12])
+    return out
+
+
+ASSETS = _load_assets()
+
+
+def _api():
+    """tafl.serving.app, imported when first needed: it imports this module for its route list."""
+    from tafl.serving import app
+
+    return app
+
+
+# ------------------------------------------------------------------ formatting
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def pct(v: Any, digits: int = 1) -> str:
+    f = _num(v)
+    return "—" if f is None else f"{100 * f:.{digits}f}%"
+
+
+def _markdown():
+    from markdown_it import MarkdownIt
+
+    # "js-default": CommonMark with tables, raw HTML off (it is shown as text), no linkify/typographer;
+    # markdown-it's link validation drops javascript:, vbscript:, file: and data: (but images) URLs
+    return MarkdownIt("js-default")
+
+
+_md = None
+_md_lock = threading.Lock()
+
+
+def render_card(text: str) -> Markup:
+    """A model card (Markdown) as safe HTML: raw HTML in it is escaped, not passed through."""
+    global _md
+    with _md_lock:
+        if _md is None:
+            _md = _markdown()
+        try:
+            return Markup(_md.render(text))
+        except Exception:  # noqa: BLE001 - a card the renderer chokes on is still shown, as text
+            log.warning("model card could not be rendered as Markdown; shown as text", exc_info=True)
+            return Markup("<pre>") + escape(text) + Markup("</pre>")
+
+
+# ------------------------------------------------------------------ charts (SVG strings, every text escaped)
+def _svg_open(width: int, height: int, uid: str, title: str, desc: str) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {width} {height}" '
+            f'width="{width}" height="{height}" role="img" aria-labelledby="{uid}-t {uid}-d" '
+            f'aria-label="{escape(title)}"><title id="{uid}-t">{escape(title)}</title>'
+            f'<desc id="{uid}-d">{escape(desc)}</desc>')
+
+
+def accuracy_chart(accuracy: dict[str, Any], average: Any, uid: str, what: str) -> Markup:
+    """Bars of the accuracy on the eleven test distributions (forward50 … backward50), 0–100 %."""
+    W, H, left, right, top, bottom = 660, 270, 48, 12, 22, 78
+    pw, ph = W - left - right, H - top - bottom
+    step = pw / len(DISTRIBUTIONS)
+    vals = [_num(accuracy.get(k)) for k in DISTRIBUTIONS]
+    desc = "; ".join(f"{k} {pct(v)}" for k, v in zip(DISTRIBUTIONS, vals)) + f". Mean {pct(average)}."
+    parts = [_svg_open(W, H, uid, f"Accuracy of {what} on the eleven test distributions", desc)]
+    for t in (0, 25, 50, 75, 100):
+        y = top + ph * (1 - t / 100)
+        parts.append(f'<line x1="{left}" x2="{W - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d0d7de" '
+                     f'stroke-width="1"/><text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11" '
+                     f'fill="#444">{t}%</text>')
+    for i, (k, v) in enumerate(zip(DISTRIBUTIONS, vals)):
+        x = left + i * step + step * 0.15
+        bw = step * 0.7
+        cx = x + bw / 2
+        if v is None:
+            parts.append(f'<text x="{cx:.1f}" y="{top + ph - 4:.1f}" text-anchor="middle" font-size="11" '
+                         f'fill="#666">n/a</text>')
+        else:
+            h = ph * min(max(v, 0.0), 1.0)
+            fill = COLOURS["bar"]
+            parts.append(f'<rect x="{x:.1f}" y="{top + ph - h:.1f}" width="{bw:.1f}" height="{h:.1f}" '
+                         f'fill="{fill}"><title>{escape(k)}: {pct(v)}</title></rect>'
+                         f'<text x="{cx:.1f}" y="{top + ph - h - 4:.1f}" text-anchor="middle" font-size="10" '
+                         f'fill="#222">{100 * v:.0f}</text>')
+        parts.append(f'<text x="{cx:.1f}" y="{top + ph + 12:.1f}" font-size="11" fill="#222" text-anchor="end" '
+                     f'transform="rotate(-40 {cx:.1f} {top + ph + 12:.1f})">{escape(k)}</text>')
+    avg = _num(average)
+    if avg is not None:
+        y = top + ph * (1 - min(max(avg, 0.0), 1.0))
+        parts.append(f'<line x1="{left}" x2="{W - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#222" '
+                     f'stroke-dasharray="5 4" stroke-width="1.2"/><text x="{W - right}" y="{y - 4:.1f}" '
+                     f'text-anchor="end" font-size="11" fill="#222">mean {pct(avg)}</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def mix_chart(classes: list[str], series: list[tuple[str, str, list[float | None]]], uid: str,
+              what: str) -> Markup:
+    """Grouped horizontal bars, one group per class: each series' share of that class (0–100 %)."""
+    label_w, W, right, bar, gap, top = 150, 660, 56, 9, 10, 30
+    pw = W - label_w - right
+    group = bar * len(series) + gap
+    H = top + group * len(classes) + 6
+    desc = " ".join(f"{c}: " + ", ".join(f"{name} {pct(vals[i])}" for name, _, vals in series) + "."
+                    for i, c in enumerate(classes))
+    parts = [_svg_open(W, H, uid, f"Class mix of {what}: " + ", ".join(n for n, _, _ in series), desc)]
+    x = label_w
+    for name, colour, _ in series:  # legend
+        parts.append(f'<rect x="{x}" y="6" width="12" height="12" fill="{colour}"/>'
+                     f'<text x="{x + 16}" y="16" font-size="11" fill="#222">{escape(name)}</text>')
+        x += 30 + 7 * len(name)
+    for i, c in enumerate(classes):
+        y0 = top + i * group
+        shown = c if len(c) <= 22 else c[:21] + "…"
+        parts.append(f'<text x="{label_w - 6}" y="{y0 + bar * len(series) / 2 + 4:.1f}" text-anchor="end" '
+                     f'font-size="11" fill="#222">{escape(shown)}</text>')
+        for j, (name, colour, vals) in enumerate(series):
+            v = vals[i]
+            y = y0 + j * bar
+            w = 0.0 if v is None else pw * min(max(v, 0.0), 1.0)
+            parts.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar - 1}" fill="{colour}">'
+                         f'<title>{escape(c)}, {escape(name)}: {pct(v)}</title></rect>'
+                         f'<text x="{label_w + w + 3:.1f}" y="{y + bar - 1.5}" font-size="9" fill="#333">'
+                         f'{pct(v, 0) if v is not None else "n/a"}</text>')
+    parts.append(f'<line x1="{label_w}" x2="{label_w}" y1="{top - 2}" y2="{H - 4}" stroke="#888"/></svg>')
+    return Markup("".join(parts))
+
+
+# ------------------------------------------------------------------ what the panel shows
+def predicted_counts(name: str, version: str) -> dict[str, float]:
+    """Predictions per class of one model version since the worker started: the samples of the
+    `tafl_predicted_class` counter that /metrics exports (this worker's; the service runs one)."""
+    counter = _api().state.counter
+    if counter is None:
+        return {}
+    out: dict[str, float] = {}
+    try:
+        for family in counter.collect():
+            for s in family.samples:
+                if (s.name.endswith("_total") and s.labels.get("model") == name
+                        and s.labels.get("version") == version):
+                    out[s.labels.get("class_name", "")] = float(s.value)
+    except Exception:  # noqa: BLE001 - the page still renders without the live mix
+        log.warning("predicted-class counter could not be read", exc_info=True)
+    return out
+
+
+def _source_label(source: str) -> str:
+    """Where the package came from, without a host path: a BentoML tag or a reload's label as is, a folder by
+    its last name only."""
+    if "/" in source or "\\" in source:
+        return f"package folder …/{Path(source).name}"
+    return source
+
+
+def _signature(pkg) -> str:
+    if pkg.signed_by:
+        return f"verified: signed by trusted key {pkg.signed_by}"
+    try:
+        has_sig = (Path(pkg.path) / "SHA256SUMS.sig").is_file()
+    except OSError:
+        has_sig = False
+    if has_sig:
+        return "signed, but not verified here: the service has no trusted keys (TAFL_TRUSTED_KEYS)"
+    return "unsigned; signatures are not required here (no TAFL_TRUSTED_KEYS)"
+
+
+_static_cache: dict[tuple, dict[str, Any]] = {}
+_static_lock = threading.Lock()
+
+
+def _static_view(model, index: int) -> dict[str, Any]:
+    """The parts of a model's panel that change only with the package: rendered once per loaded package."""
+    pkg = model.package
+    # by content (the verified digests), not object identity: a reload of the same version with other files
+    # renders anew, and a freed package's id reused by another cannot bring back its view
+    key = (index, pkg.name, pkg.version, tuple(sorted(pkg.files.items())), pkg.signed_by)
+    with _static_lock:
+        hit = _static_cache.get(key)
+    if hit is not None:
+        return hit
+    meta = pkg.metadata
+    names = pkg.class_names
+    uid = f"m{index}-{hashlib.sha1(f'{pkg.name}:{pkg.version}'.encode()).hexdigest()[:8]}"
+    met = meta.get("metrics") or {}
+    acc = met.get("accuracy") or {}
+    per_class = met.get("per_class_accuracy") or [None] * len(names)
+    counts = (meta.get("training") or {}).get("train_class_counts") or [None] * len(names)
+    source = ((meta.get("prior") or {}).get("source_prior")) or []
+    parent = meta.get("parent") or {}
+    lineage = []
+    if meta.get("parent_version"):
+        lineage.append(f"retrained from {parent.get('name') or pkg.name} {meta['parent_version']}"
+                       + (f" (model.onnx sha256 {parent['model_sha256'][:16]}…)" if parent.get("model_sha256") else ""))
+    else:
+        lineage.append("first version (no parent package)")
+    run = (meta.get("training") or {}).get("run_config") or {}
+    view = {
+        "uid": uid, "name": pkg.name, "version": pkg.version, "method": meta.get("method"),
+        "backbone": meta.get("backbone"), "created": meta.get("created"), "tafl_version": meta.get("tafl_version"),
+        "task": meta.get("task"), "lineage": lineage,
+        "training": (f"{run.get('dataset', '?')}, {run.get('clients', '?')} clients, {run.get('rounds', '?')} rounds, "
+                     f"model from round {(meta.get('training') or {}).get('round', '?')}") if run else None,
+        "checksums": sorted(pkg.files.items()), "model_sha256": pkg.files.get("model.onnx", "?"),
+        "signature": _signature(pkg), "heatmap": meta.get("heatmap"),
+        "experts": [e.get("name") for e in meta.get("experts") or []],
+        "vote_rule": (meta.get("vote") or {}).get("rule"),
+        "metrics_source": met.get("source"), "has_metrics": bool(acc),
+        "average": pct(met.get("average_accuracy")),
+        "accuracy_rows": [(k, pct(acc.get(k))) for k in DISTRIBUTIONS],
+        "accuracy_svg": accuracy_chart(acc, met.get("average_accuracy"), f"{uid}-acc",
+                                       f"{pkg.name} {pkg.version}") if acc else None,
+        "uniform_metrics": [(k.replace("_", " "), pct(v)) for k, v in (met.get("uniform_metrics") or {}).items()
+                            if _num(v) is not None],
+        "classes": names, "class_rows": [
+            {"index": i, "name": c, "train_images": counts[i] if i < len(counts) and counts[i] is not None else "—",
+             "accuracy": pct(per_class[i] if i < len(per_class) else None),
+             "source": _num(source[i]) if i < len(source) else None} for i, c in enumerate(names)],
+        "card": render_card(pkg.card),
+        "intended_use": meta.get("intended_use"),
+    }
+    with _static_lock:
+        if len(_static_cache) > 64:  # reloads leave old versions behind
+            _static_cache.clear()
+        _static_cache[key] = view
+    return view
+
+
+def _live_view(model, static: dict[str, Any]) -> dict[str, Any]:
+    """The served case mix: predicted-class shares from the counter, and the EM estimate with its drift."""
+    pkg = model.package
+    names = pkg.class_names
+    counts = predicted_counts(pkg.name, pkg.version)
+    total = sum(counts.values())
+    served = [counts.get(c, 0.0) / total if total else None for c in names]
+    source = [r["source"] for r in static["class_rows"]]
+    est_prior: list[float | None] = [None] * len(names)
+    prior: dict[str, Any] = {"aware": model.monitor is not None}
+    if model.monitor is not None:
+        q, n, why = model.monitor.current()
+        d = model.monitor.describe()
+        est = d.get("estimate")
+        prior.update(images_in_window=d["images_in_window"], window=d["window"], min_images=d["min_images"],
+                     updated_at=d.get("updated_at"), fallback=why)
+        if est:
+            est_prior = [_num(v) for v in est["prior"]]
+            prior.update(shift=_num(est.get("shift_from_source")), images=est.get("images"),
+                         usable=q is not None)
+    series = [("training mix (source prior)", COLOURS["train"], source)]
+    if total:
+        series.append(("predicted since start", COLOURS["served"], served))
+    if any(v is not None for v in est_prior):
+        series.append(("estimated prior", COLOURS["estimate"], est_prior))
+    rows = [{**r, "served": pct(served[i]), "served_count": int(counts.get(r["name"], 0)),
+             "estimate": pct(est_prior[i]), "source_pct": pct(r["source"])} for i, r in enumerate(static["class_rows"])]
+    return {"predicted_total": int(total), "rows": rows, "prior": prior,
+            "shift": pct(prior.get("shift")) if prior.get("shift") is not None else None,
+            "mix_svg": mix_chart(names, series, f"{static['uid']}-mix", f"{pkg.name} {pkg.version}")}
+
+
+def panel_html() -> str:
+    """The models and the try-an-image form, as an HTML fragment."""
+    api = _api()
+    registry = api.state.registry
+    with registry.lock:
+        loaded = [registry.models[n] for n in registry.order]
+    models = []
+    for i, m in enumerate(loaded):
+        static = _static_view(m, i)
+        models.append({**static, **_live_view(m, static), "providers": ", ".join(m.providers),
+                       "source": _source_label(m.source),
+                       "loaded_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.loaded_at))})
+    s = api.state.settings
+    return _env.get_template("panel.html").render(models=models, max_mb=f"{s.max_upload_bytes / 2**20:g}",
+                                                  max_frames=s.max_frames, pct=pct)
+
+
+# ------------------------------------------------------------------ routes
+def _html(body: str, start: float, status: int = 200) -> Response:
+    headers = {**SECURITY_HEADERS, "Server-Timing": f"render;dur={1000 * (time.perf_counter() - start):.2f}"}
+    return Response(body, status_code=status, media_type="text/html; charset=utf-8", headers=headers)
+
+
+def _page_context(protected: bool, panel: str | None) -> dict[str, Any]:
+    return {"protected": protected, "panel": Markup(panel) if panel is not None else None,
+            "css": f"ui/static/ui.css?v={ASSETS['ui.css'][2]}", "js": f"ui/static/ui.js?v={ASSETS['ui.js'][2]}"}
+
+
+async def page(request: Request) -> Response:
+    """GET /: the whole page; with TAFL_API_TOKEN set, only the shell and the token form."""
+    api = _api()
+    start = time.perf_counter()
+    rid = uuid.uuid4().hex[:16]
+    try:
+        protected = api.state.settings.token is not None
+        panel = None if protected else panel_html()
+        return _html(_env.get_template("page.html").render(**_page_context(protected, panel)), start)
+    except Exception as exc:  # noqa: BLE001 - the API's JSON error, never a traceback
+        log.error("page %s failed: %s", rid, type(exc).__name__, exc_info=exc)
+        return api._error(exc, rid)
+
+
+async def panel(request: Request) -> Response:
+    """GET /ui/panel: the models and the form as an HTML fragment; with a token, only for its bearer."""
+    api = _api()
+    start = time.perf_counter()
+    rid = uuid.uuid4().hex[:16]
+    try:
+        api._check_auth(request, api.state.settings.token, "the page's model panel")
+        return _html(panel_html(), start)
+    except Exception as exc:  # noqa: BLE001
+        if not isinstance(exc, api.TaflError):
+            log.error("panel %s failed: %s", rid, type(exc).__name__, exc_info=exc)
+        return api._error(exc, rid)
+
+
+async def asset(request: Request) -> Response:
+    """GET /ui/static/NAME: the page's stylesheet and script (public: they hold no model data)."""
+    api = _api()
+    hit = ASSETS.get(request.path_params["name"])
+    if hit is None:
+        from tafl.errors import NotFound
+
+        return api._error(NotFound("no such page asset; the page uses ui/static/ui.css and ui/static/ui.js"),
+                          uuid.uuid4().hex[:16])
+    data, ctype, _ = hit
+    return Response(data, media_type=ctype, headers={"Cache-Control": "public, max-age=86400",
+                                                     "X-Content-Type-Options": "nosniff"})
+
+
+def routes() -> list[Route]:
+    return [Route("/", page, methods=["GET"]), Route("/ui/panel", panel, methods=["GET"]),
+            Route("/ui/static/{name}", asset, methods=["GET"])]
