@@ -2,10 +2,11 @@
 
     python benchmarks/ray_score.py PKG_DIR [N]
 
-Three runs over the same folder (links to the first N files of ../shared/data/ham10000/images, repeated
+Four runs over the same folder (links to the first N files of ../shared/data/ham10000/images, repeated
 under new names where N exceeds them), each into a fresh CSV:
 
   in-process   score_folder(engine="local"), the single-machine `tafl score --package`
+               (and once more with one ONNX Runtime thread, as each Ray actor runs)
   ray (cold)   score_folder(engine="ray") with no Ray running: starts a local Ray, scores, stops it (the CLI
                without --address)
   ray (warm)   Ray already running (ray.init first, not timed: the `--address auto` case of a standing
@@ -35,6 +36,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import tafl.clients.score as score_mod  # noqa: E402
 from tafl.clients.score import score_folder  # noqa: E402
 from tafl.packaging import load_package  # noqa: E402
 
@@ -119,6 +121,20 @@ def main() -> None:
             p.read_bytes()
         runs = {"in-process": timed(folder, tmp / "local.csv", pkg, batch)}
         print("in-process", runs["in-process"], flush=True)
+        # the same with one ORT thread (as each Ray actor has): on this shared 2-core machine ORT's default of one
+        # spinning thread per core slowed the in-process run (a check outside this script: 286 vs 460 img/s)
+        default_scorer = score_mod.LocalScorer
+
+        class OneThread(default_scorer):
+            def __init__(self, package, batch_size, threads=None, **kw):
+                super().__init__(package, batch_size, threads=1, **kw)
+
+        score_mod.LocalScorer = OneThread
+        try:
+            runs["in-process, 1 ORT thread"] = timed(folder, tmp / "local1.csv", pkg, batch)
+        finally:
+            score_mod.LocalScorer = default_scorer
+        print("in-process 1 thread", runs["in-process, 1 ORT thread"], flush=True)
         runs["ray (cold: starts and stops a local Ray)"] = timed(folder, tmp / "ray.csv", pkg, batch, engine="ray")
         print("ray cold", runs["ray (cold: starts and stops a local Ray)"], flush=True)
         t0 = time.perf_counter()
