@@ -483,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "pip install 'tafl[ray]')")
     sc.add_argument("--address", help="--engine ray: the cluster, `auto` (a `ray start --head` on this machine) or "
                                       "ray://HOST:10001 (default: a local Ray for this job)")
-    sc.add_argument("--workers", type=int, help="--engine ray: scoring actors (default: one per CPU of the cluster)")
+    sc.add_argument("--workers", type=int, help="--engine ray: scoring actors (default: one per CPU of the cluster, "
+                                                "or as many as its GPUs hold at --gpus-per-worker)")
     sc.add_argument("--gpus-per-worker", type=float, default=0.0,
                     help="--engine ray: GPUs per actor (default 0: CPU; e.g. 0.25 puts four actors on each GPU)")
     sc.set_defaults(func=cmd_score)

@@ -8,6 +8,7 @@ Without Ray Data (the `ray` extra) every test but the missing-extra one skips.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import logging
 import os
 import signal
@@ -26,6 +27,16 @@ from tests.conftest import SHARED_DATA, digit_png
 
 TAFL = [sys.executable, "-m", "tafl.cli"]
 ACTOR = "MapBatches(ScoreBatch)"  # in the process title Ray gives each scoring actor
+
+
+def _no_ray_data() -> bool:
+    try:  # found without importing: no Ray start-up cost at collection, and no package trained to skip after
+        return any(importlib.util.find_spec(m) is None for m in ("ray", "pyarrow", "pandas"))
+    except (ImportError, ValueError):
+        return True
+
+
+needs_ray = pytest.mark.skipif(_no_ray_data(), reason="Ray Data is not installed (pip install 'tafl[ray]')")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +85,7 @@ def test_a_missing_extra_names_it(tmp_path, gtafl_pkg, monkeypatch, capsys):
         score_folder(folder, tmp_path / "r.csv", package=str(gtafl_pkg), workers=2, progress=False)
 
 
+@needs_ray
 def test_ray_gives_the_in_process_rows_labels_priors_and_summary(local_ray, gtafl_pkg, tmp_path):
     folder = _image_folder(tmp_path)
     for prior in ("train", "adaptive"):
@@ -104,6 +116,7 @@ def test_ray_gives_the_in_process_rows_labels_priors_and_summary(local_ray, gtaf
             assert all(abs(ray["prior"]["estimate"][n] - v) < 1e-5 for n, v in here["prior"]["estimate"].items())
 
 
+@needs_ray
 def test_a_killed_actor_is_retried_and_every_input_appears_once(local_ray, gtafl_pkg, tmp_path):
     folder = _many(tmp_path, 1200)
     me = psutil.Process()
@@ -126,6 +139,7 @@ def test_a_killed_actor_is_retried_and_every_input_appears_once(local_ray, gtafl
     assert s["predicted"] == 1200 and not s["failed"]
 
 
+@needs_ray
 def test_a_killed_driver_leaves_a_file_the_rerun_completes_without_duplicates(local_ray, gtafl_pkg, tmp_path):
     folder = _many(tmp_path, 1500)
     out = tmp_path / "r.csv"
