@@ -327,7 +327,8 @@ def cmd_score(ns: argparse.Namespace) -> int:
     summary = score_folder(ns.folder, ns.out, url=ns.url, package=ns.package,
                            token=ns.token or os.environ.get("TAFL_API_TOKEN"), model=ns.model,
                            concurrency=ns.concurrency, batch_size=ns.batch_size, resume=ns.resume, force=ns.force,
-                           progress=False if ns.no_progress else None, prior=ns.prior)
+                           progress=False if ns.no_progress else None, prior=ns.prior, engine=ns.engine,
+                           address=ns.address, workers=ns.workers, gpus_per_worker=ns.gpus_per_worker)
     print_summary(summary)
     return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
 
@@ -477,6 +478,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train (default); adaptive: estimate the folder's class mix from all its images (EM on the "
                          "calibrated posteriors) and re-decide every row for it, no second inference; or "
                          "comma-separated class probabilities")
+    sc.add_argument("--engine", choices=("local", "ray"), default="local",
+                    help="local (default): this process; ray: a pool of actors on a Ray cluster (--package only; "
+                         "pip install 'tafl[ray]')")
+    sc.add_argument("--address", help="--engine ray: the cluster, `auto` (a `ray start --head` on this machine) or "
+                                      "ray://HOST:10001 (default: a local Ray for this job)")
+    sc.add_argument("--workers", type=int, help="--engine ray: scoring actors (default: one per CPU of the cluster, "
+                                                "or as many as its GPUs hold at --gpus-per-worker)")
+    sc.add_argument("--gpus-per-worker", type=float, default=0.0,
+                    help="--engine ray: GPUs per actor (default 0: CPU; e.g. 0.25 puts four actors on each GPU)")
     sc.set_defaults(func=cmd_score)
 
     rt = sub.add_parser("retrain", help="continue training from a package's checkpoint on new or more data")

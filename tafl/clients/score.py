@@ -230,12 +230,13 @@ class RemoteScorer:
 class LocalScorer:
     """In-process: the service's decoder, the package's preprocessing, ONNX Runtime in batches."""
 
-    def __init__(self, package: str, batch_size: int, threads: int | None = None, ratio: np.ndarray | None = None):
+    def __init__(self, package: str, batch_size: int, threads: int | None = None, ratio: np.ndarray | None = None,
+                 providers: list[str] | None = None):
         from tafl.packaging import load_package
 
         self.ratio = ratio  # an explicit prior's log ratio, fed to the graph
         self.pkg = load_package(package)
-        self.session = self.pkg.session(["CPUExecutionProvider"], threads)
+        self.session = self.pkg.session(providers or ["CPUExecutionProvider"], threads)
         self.meta, self.batch_size = self.pkg.metadata, batch_size
 
     def score(self, paths: list[Path], rel: Callable[[Path], str]) -> Iterator[Row]:
@@ -278,8 +279,12 @@ class LocalScorer:
 def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None, package: str | None = None,
                  token: str | None = None, model: str | None = None, concurrency: int = 4, batch_size: int = 16,
                  resume: bool = False, force: bool = False, progress: bool | None = None,
-                 on_row: Callable[[Row], None] | None = None, prior: str = "train") -> dict[str, Any]:
-    """`prior`: train (the model's own rule); adaptive (each row keeps its calibrated posteriors; at the end the
+                 on_row: Callable[[Row], None] | None = None, prior: str = "train", engine: str = "local",
+                 address: str | None = None, workers: int | None = None, gpus_per_worker: float = 0.0
+                 ) -> dict[str, Any]:
+    """`engine`: local (this process) or ray (tafl.clients.ray_engine: a pool of `workers` actors on the Ray cluster
+    at `address`, or on a local instance started for the job, each with `gpus_per_worker` GPUs; needs --package).
+    `prior`: train (the model's own rule); adaptive (each row keeps its calibrated posteriors; at the end the
     folder's class mix is estimated from all of them and every row is re-decided for it, without a second
     inference: the file gains adaptive_label and adaptive_class_name); or comma-separated class probabilities
     (the graph decides for that prior)."""
@@ -288,14 +293,27 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     adaptive = mode == "adaptive"
     if (url is None) == (package is None):
         raise ConfigError("give exactly one of --url URL (remote scoring) or --package PKG_DIR (in-process)")
+    if engine not in ("local", "ray"):
+        raise ConfigError(f"--engine must be local or ray, got {engine!r}")
+    if engine == "ray" and url:
+        raise ConfigError("--engine ray runs the package on the cluster: give --package PKG_DIR, not --url")
+    if engine == "local" and (address or workers or gpus_per_worker):
+        raise ConfigError("--address, --workers and --gpus-per-worker go with --engine ray")
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder")
     images, skipped = walk(folder)
     if not images:
         raise DataError(f"{folder} holds no DICOM, PNG or JPEG files ({len(skipped)} other file(s) skipped)")
     explicit = None if mode in ("train", "adaptive") else prior
-    if url:
-        scorer: RemoteScorer | LocalScorer = RemoteScorer(url, token, model, concurrency, min(batch_size, 64),
+    if engine == "ray":
+        from tafl.clients.ray_engine import RayScorer
+
+        scorer: Any = RayScorer(package, batch_size, address=address, workers=workers,
+                                       gpus_per_worker=gpus_per_worker)
+        if explicit is not None:
+            scorer.ratio = _explicit_ratio(scorer.meta, explicit)
+    elif url:
+        scorer = RemoteScorer(url, token, model, concurrency, min(batch_size, 64),
                                                           prior=explicit, posteriors=adaptive)
     else:
         scorer = LocalScorer(package, batch_size)
