@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from tafl.training.config import load_config  # noqa: E402
 from tafl.training.longtail import select_clients  # noqa: E402
-from tafl.training.methods.dafl import class_imbalance, client_imbalance, loss_coefficients  # noqa: E402
+from tafl.training.methods.dafl import class_imbalance, class_normaliser, client_imbalance, loss_coefficients  # noqa: E402,E501
 from tafl.training.simulator import prepare  # noqa: E402
 
 SETS = {"dermamnist": ("configs/dafl_dermamnist.yaml", "medmnist"), "ham10000": ("configs/dafl_ham10000.yaml", "ham10000")}
@@ -41,12 +41,13 @@ def one(cfg_path: str, root: str, seed: int, lam: float) -> dict:
     c_f = class_imbalance(counts[sel])
     c_ks = [client_imbalance(counts[k]) for k in sel]
     c_k_mean = float(np.mean(c_ks))
+    norm = class_normaliser(counts[sel])
     major, rare = int(np.argmax(prep.train_counts)), int(np.argmin(prep.train_counts))
     rows = {}
     for scale in ("paper", "mean"):
         scale_, spread, rare_major, ws = [], [], [], []
         for k, c_k in zip(sel, c_ks):
-            w = 1 + loss_coefficients(c_k, c_f, lam, scale, c_k_mean)
+            w = 1 + loss_coefficients(c_k, c_f, lam, scale, c_k_mean, norm)
             ws.append(w)
             n = counts[k]
             scale_.append(float((w * n).sum() / n.sum()))

@@ -15,7 +15,7 @@ from tafl.training.config import RunConfig
 from tafl.training.explain import attention_rollout
 from tafl.training.local import PolicyAugment, scheduled_lr
 from tafl.training.methods.base import GlobalState
-from tafl.training.methods.dafl import class_imbalance, loss_coefficients
+from tafl.training.methods.dafl import class_imbalance, class_normaliser, loss_coefficients
 from tafl.training.models import ConvTokenizer, ModelConfig, build_model
 from tafl.training.simulator import check_divergence, train
 
@@ -95,23 +95,33 @@ DERMA = torch.tensor([228.0, 359, 769, 80, 779, 4693, 99])  # DermaMNIST's train
 
 
 def test_mean_scale_by_hand():
-    c_f = torch.tensor([1.0, 3.0, 8.0])  # mean 4
-    got = loss_coefficients(50.0, c_f, 0.5, "mean", c_k_mean=100.0)
-    assert got.tolist() == pytest.approx([0.5 * 0.5 + 0.5 * 0.25, 0.5 * 0.5 + 0.5 * 0.75, 0.5 * 0.5 + 0.5 * 2.0])
+    c_f = torch.tensor([1.0, 3.0, 8.0])
+    got = loss_coefficients(50.0, c_f, 0.5, "mean", c_k_mean=100.0, class_norm=4.0)
+    client = 51 / 101  # (1 + c_k) over the round's mean (1 + c_k)
+    expected = [0.5 * client + 0.5 * (1 + c) / 4.0 - 1 for c in (1.0, 3.0, 8.0)]
+    assert got.tolist() == pytest.approx(expected)
     paper = loss_coefficients(50.0, c_f, 0.5, "paper")
     assert paper.tolist() == pytest.approx([25.5, 26.5, 29.0])
+    # the class part's normaliser is the number of classes present: (1 + c_f,t) = N / n_t
+    assert class_normaliser(torch.tensor([[6.0, 3.0, 1.0], [2.0, 0.0, 8.0]])) == pytest.approx(3.0)
 
 
-def test_mean_scale_keeps_the_loss_near_cross_entropy_and_the_class_term_ranking_classes():
-    c_f = class_imbalance(DERMA[None])
+def test_mean_scale_keeps_the_loss_at_cross_entropy_scale_and_lets_the_class_term_work():
+    counts = DERMA[None]
+    c_f, norm = class_imbalance(counts), class_normaliser(counts)
+    share = DERMA / DERMA.sum()
     paper = 1 + loss_coefficients(133.0, c_f, 0.5, "paper")
-    mean = 1 + loss_coefficients(133.0, c_f, 0.5, "mean", c_k_mean=133.0)
-    assert paper.min() > 60  # the literal formula: the loss is ~70-110x cross-entropy
-    assert 1.4 < float(mean.min()) and float(mean.max()) < 3.0  # near 1: SGD's lr means what it says
-    # the class term ranks the classes the same way (rarest weighs most), and is not swamped by c_k
+    mean = 1 + loss_coefficients(133.0, c_f, 0.5, "mean", c_k_mean=133.0, class_norm=norm)
+    # the literal formula: the loss is ~70-110x cross-entropy and the classes' weights differ under 2x
+    assert float((share * paper).sum()) > 60 and float(paper.max() / paper.min()) < 2
+    # mean scale: the loss averages cross-entropy's scale over the samples, the rarest class weighs 10x+ the
+    # majority, in the same order (the rarer, the heavier)
+    assert float((share * mean).sum()) == pytest.approx(1.0, rel=1e-5)
     assert torch.equal(mean.argsort(), paper.argsort()) and int(mean.argmax()) == 3
-    lam0 = 1 + loss_coefficients(133.0, c_f, 0.0, "mean", c_k_mean=133.0)
-    assert float(lam0.max() / lam0.min()) > float(mean.max() / mean.min()) > 1.5
+    assert float(mean[3] / mean[5]) > 10
+    # λ = 0: the balanced class weight N / (C n_t) exactly
+    lam0 = 1 + loss_coefficients(133.0, c_f, 0.0, "mean", c_k_mean=133.0, class_norm=norm)
+    assert lam0.tolist() == pytest.approx((DERMA.sum() / (7 * DERMA)).tolist(), rel=1e-5)
 
 
 # ---------------------------------------------------------------- the local recipe

@@ -8,11 +8,12 @@ learnable from 2.0, clamped to [0, γ_max], and averaged with the model. Aggrega
 ω_k ∝ 1/(c_k + ε), normalised over the round's clients (`aggregation: size` gives FedAvg's).
 `loss: focal` (c = 0, γ fixed) and `loss: ce` are the ablation options.
 
-`dafl_scale: paper` uses those counts ratios as they are: on DermaMNIST c_k is about 130 and the
-same for every sample of a client, so the loss is ~100× cross-entropy (SGD at lr 0.1 diverges) and
-the class term moves the relative class weights at most 2.6×. `dafl_scale: mean` (the default)
-divides c_k by the mean c_k of the round's clients and c_{f,t} by its mean over the classes, so
-both terms are near 1 and the class term ranks the classes (docs/design.md §5.1).
+`dafl_scale: paper` uses those count ratios as they are: on DermaMNIST c_k is about 130 and the
+same for every sample of a client, so the loss is 50-77× cross-entropy (SGD at lr 0.1 diverges) and
+the class term moves the relative class weights about 2×. `dafl_scale: mean` (the default) writes
+the weight as the λ-mixture of (1 + c_k) and (1 + c_{f,t}) and divides each part by its mean (over
+the round's clients, over the round's samples): both average 1, the loss stays at cross-entropy's
+scale, and the class part is the balanced class weight N/(C·n_t) (docs/design.md §5.1).
 """
 
 from __future__ import annotations
@@ -52,14 +53,31 @@ def aggregation_weights(c_k: list[float]) -> list[float]:
     return [x / total for x in w]
 
 
-def loss_coefficients(c_k: float, c_f: torch.Tensor, lam: float, scale: str, c_k_mean: float | None = None
-                      ) -> torch.Tensor:
-    """The per-class coefficient c_t of the loss's (1 + c_t): λ·c_k + (1 − λ)·c_{f,t}, scaled as configured."""
+def loss_coefficients(c_k: float, c_f: torch.Tensor, lam: float, scale: str, c_k_mean: float | None = None,
+                      class_norm: float | None = None) -> torch.Tensor:
+    """The per-class coefficient c_t of the loss's (1 + c_t), as configured.
+
+    paper: c_t = λ·c_k + (1 − λ)·c_{f,t}. The literal weight is the λ-mixture
+    λ·(1 + c_k) + (1 − λ)·(1 + c_{f,t}); mean divides each part by its mean, (1 + c_k) over the
+    round's clients (1 + `c_k_mean`) and (1 + c_{f,t}) over the round's samples (`class_norm` =
+    Σ_t π_t·(1 + c_{f,t}) with π the round's class shares, which is the number of classes present:
+    (1 + c_{f,t})/class_norm = N/(C·n_t), the balanced class weight). Both parts then average 1.
+    """
     c_f = c_f.to(torch.float32)
-    if scale == "mean":
-        c_k = c_k / max(float(c_k_mean if c_k_mean is not None else c_k), EPS)
-        c_f = c_f / c_f.mean().clamp_min(EPS)
-    return lam * c_k + (1 - lam) * c_f
+    if scale != "mean":
+        return lam * c_k + (1 - lam) * c_f
+    client = (1 + c_k) / (1 + max(float(c_k_mean if c_k_mean is not None else c_k), 0.0))
+    norm = float(class_norm) if class_norm is not None else float((1 + c_f).mean())
+    weight = lam * client + (1 - lam) * (1 + c_f) / max(norm, EPS)
+    return weight - 1
+
+
+def class_normaliser(counts: torch.Tensor) -> float:
+    """Σ_t π_t·(1 + c_{f,t}) over a (K, C) count matrix: the mean of the class part over the samples."""
+    n = counts.to(torch.float64).sum(0)
+    if float(n.sum()) <= 0:
+        return 1.0
+    return float(((n / n.sum()) * (1 + class_imbalance(counts).to(torch.float64))).sum())
 
 
 class DAFLLoss(nn.Module):
@@ -105,8 +123,9 @@ class DAFL(Method):
                 if s.get("c_k") is not None and s["c_k"].numel() == 1 and bool(torch.isfinite(s["c_k"]).all())
                 and float(s["c_k"].reshape(-1)[0]) >= 0]
         out = {"round": round_, "seed": self.cfg.seed, "c_f": [float(v) for v in c_f.tolist()],
-               "c_k_mean": float(np.mean(c_ks)) if c_ks else None}
-        state.meta["last_round_cfg"] = {"c_f": out["c_f"], "c_k_mean": out["c_k_mean"]}
+               "c_k_mean": float(np.mean(c_ks)) if c_ks else None,
+               "class_norm": class_normaliser(torch.stack(good)) if good else None}
+        state.meta["last_round_cfg"] = {k: out[k] for k in ("c_f", "c_k_mean", "class_norm")}
         return out
 
     def broadcast(self, state: GlobalState) -> Tensors:
@@ -127,7 +146,7 @@ class DAFL(Method):
         if cfg.loss != "ce":
             if cfg.loss == "dafl":
                 coef = loss_coefficients(c_k, torch.tensor(round_cfg["c_f"]), cfg.dafl_lambda, cfg.dafl_scale,
-                                         round_cfg.get("c_k_mean"))
+                                         round_cfg.get("c_k_mean"), round_cfg.get("class_norm"))
                 learn = not cfg.gamma_fixed
             else:  # plain focal loss: no imbalance coefficient, γ fixed
                 coef, learn = torch.zeros(self.model_cfg.num_classes), False
@@ -166,7 +185,8 @@ class DAFL(Method):
         out: dict[str, Any] = {}
         for tag, r in (("min_c_k", ranked[0]), ("median_c_k", ranked[len(ranked) // 2]), ("max_c_k", ranked[-1])):
             c_k = float(r.extras["c_k"])
-            w = 1 + loss_coefficients(c_k, c_f, self.cfg.dafl_lambda, self.cfg.dafl_scale, round_cfg.get("c_k_mean"))
+            w = 1 + loss_coefficients(c_k, c_f, self.cfg.dafl_lambda, self.cfg.dafl_scale, round_cfg.get("c_k_mean"),
+                                      round_cfg.get("class_norm"))
             out[tag] = {"client": r.client_id, "c_k": c_k, "weights": [round(float(v), 4) for v in w],
                         "max_over_min": float(w.max() / w.min())}
         return out
