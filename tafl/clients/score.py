@@ -278,7 +278,8 @@ class LocalScorer:
 def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None, package: str | None = None,
                  token: str | None = None, model: str | None = None, concurrency: int = 4, batch_size: int = 16,
                  resume: bool = False, force: bool = False, progress: bool | None = None,
-                 on_row: Callable[[Row], None] | None = None, prior: str = "train") -> dict[str, Any]:
+                 on_row: Callable[[Row], None] | None = None, prior: str = "train", dicom_out: str | Path | None = None,
+                 dicom_heatmap: bool = False) -> dict[str, Any]:
     """`prior`: train (the model's own rule); adaptive (each row keeps its calibrated posteriors; at the end the
     folder's class mix is estimated from all of them and every row is re-decided for it, without a second
     inference: the file gains adaptive_label and adaptive_class_name); or comma-separated class probabilities
@@ -312,6 +313,11 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         return p.relative_to(folder).as_posix()
 
     todo = [p for p in images if rel(p) not in results.done]
+    dicom = None
+    if dicom_out is not None:  # SR (+ heatmap SC) per DICOM input, written before its row: tafl.clients.dicom_out
+        from tafl.clients.dicom_out import DicomWriter
+
+        dicom = DicomWriter(dicom_out, folder, scorer, heatmap=dicom_heatmap)
     counts: dict[str, int] = {}
     failed: list[tuple[str, str]] = []
     from tqdm.auto import tqdm
@@ -320,6 +326,8 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         with tqdm(total=len(images), initial=len(images) - len(todo), unit="img", desc="scoring",
                   disable=(not progress) if progress is not None else None, dynamic_ncols=True) as bar:
             for row in scorer.score(todo, rel):
+                if dicom is not None:
+                    dicom.write(row)
                 results.write(row)
                 if row.error:
                     failed.append((row.path, row.error))
@@ -341,6 +349,8 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     summary = {"images": len(images), "scored_now": len(todo), "already_done": len(images) - len(todo),
                "predicted": scored, "failed": failed, "skipped": [rel(p) for p in skipped], "class_mix": mix,
                "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
+    if dicom is not None:
+        summary.update(dicom_written=dicom.written, dicom_failed=dicom.failed)
     if adaptive:
         summary["prior"] = redecide_adaptive(out, scorer.meta)
         for m in mix:
@@ -435,6 +445,10 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"  failed: {path}: {why}")
     if len(s["failed"]) > 20:
         print(f"  ... and {len(s['failed']) - 20} more (see the error column)")
+    if "dicom_written" in s:
+        print(f"DICOM SR written for {s['dicom_written']} input(s); {len(s['dicom_failed'])} without one")
+        for path, why in s["dicom_failed"][:10]:
+            print(f"  no SR: {path}: {why}")
     for path in s["skipped"][:10]:
         print(f"  skipped (not DICOM, PNG or JPEG): {path}")
     pr = s.get("prior") or {}
