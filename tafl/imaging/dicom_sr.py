@@ -8,7 +8,7 @@ Built with highdicom, following the IHE AI Results (AIR) conventions:
 - one measurement group references the source SOP instance (and frame) it was computed on, names the
   algorithm (model name, version and the package checksum: the sha256 of model.onnx that SHA256SUMS lists)
   in the group's Algorithm Identification, and holds the predicted class as a coded "Finding" with its
-  probability, and each expert's vote as a coded evaluation;
+  probability (a NUM, unit 1), and each expert's vote as a coded evaluation;
 - the heatmap overlay (when asked) is a Secondary Capture Image (RGB, 8 bit) in the same study, and the SR
   references it from the measurement group (an IMAGE item) and lists it in its evidence.
 
@@ -215,7 +215,7 @@ def structured_report(source, finding: Finding, algo: Algorithm, heatmap_sc=None
         observer_identifying_attributes=DeviceObserverIdentifyingAttributes(
             uid=_uid(algo.checksum, "device"), name=f"{algo.name} {algo.version}"[:64], manufacturer_name=MANUFACTURER,
             model_name=algo.name[:64], serial_number=algo.checksum[:16]))
-    evaluations = [QualitativeEvaluation(CodedConcept("121071", "DCM", "Finding"), codes_[finding.label])]
+    evaluations = []  # the predicted class is the group's Finding (121071, TID 1501's finding type)
     measurements = [Measurement(name=_local("probability", "Probability of the finding"), value=float(finding.probability),
                                 unit=CodedConcept("1", "UCUM", "no units"), algorithm_id=algo_id)]
     for name, lab, prob in finding.experts:
@@ -229,8 +229,8 @@ def structured_report(source, finding: Finding, algo: Algorithm, heatmap_sc=None
     group = MeasurementsAndQualitativeEvaluations(
         tracking_identifier=TrackingIdentifier(uid=_uid(src_uid, algo.checksum, "tracking"),
                                                identifier=f"tafl {algo.name} classification"[:64]),
-        finding_type=_local("classification", "Image classification"), algorithm_id=algo_id,
-        measurements=measurements, qualitative_evaluations=evaluations,
+        finding_type=codes_[finding.label], algorithm_id=algo_id,
+        measurements=measurements, qualitative_evaluations=evaluations or None,
         source_images=[SourceImageForMeasurementGroup(str(source.SOPClassUID), src_uid, frames)])
     if heatmap_sc is not None:
         group[0].ContentSequence.append(ImageContentItem(
