@@ -121,6 +121,7 @@ def test_uids_are_derived_from_the_source_and_model_so_a_redelivery_replaces():
     (_, a, sa), (_, b, sb) = _make(data), _make(data)
     ra, rb = pydicom.dcmread(io.BytesIO(a)), pydicom.dcmread(io.BytesIO(b))
     assert ra.SOPInstanceUID == rb.SOPInstanceUID and ra.SeriesInstanceUID == rb.SeriesInstanceUID
+    assert pydicom.dcmread(io.BytesIO(sa)).SOPInstanceUID == pydicom.dcmread(io.BytesIO(sb)).SOPInstanceUID
     other = dicom_sr.Algorithm("derm-test", "1.2.4", "cd" * 32, NAMES, ALGO.class_codes)
     src = dicom_sr.read_header(data)
     sr2, _ = dicom_sr.build(src, dicom_sr.Finding(0, 0.5), other)

@@ -134,7 +134,7 @@ class Listener:
     def __init__(self, package: str | Path, destination: Destination, *, ae_title: str = "TAFL",
                  host: str = "127.0.0.1", port: int = 11112, spool: str | Path = "tafl-dicom-spool",
                  heatmap: bool = False, max_queue: int = 64, workers: int = 2, threads: int | None = None,
-                 settings: Any = None):
+                 settings: Any = None, deliver_retries: int = 5, retry_pause: float = 5.0):
         from tafl.packaging import load_package
         from tafl.serving.app import Settings
         from tafl.serving.decoding import DecodePool
@@ -146,6 +146,7 @@ class Listener:
         self.destination, self.ae_title, self.host, self.port = destination, ae_title, host, port
         self.heatmap, self.max_queue, self.workers = heatmap, max(1, max_queue), max(1, workers)
         self.spool = Path(spool)
+        self.deliver_retries, self.retry_pause = deliver_retries, retry_pause
         self.incoming, self.queue_dir, self.failed = (self.spool / n for n in ("incoming", "queue", "failed"))
         for d in (self.incoming, self.queue_dir, self.failed):
             d.mkdir(parents=True, exist_ok=True)
@@ -205,7 +206,7 @@ class Listener:
     # ---------------------------------------------------------------- the worker side
     def _work(self) -> None:
         loop = asyncio.new_event_loop()
-        deliverer = Deliverer(self.destination, self.ae_title)
+        deliverer = Deliverer(self.destination, self.ae_title, retries=self.deliver_retries)
         try:
             while True:
                 path = self._q.get()
@@ -257,8 +258,8 @@ class Listener:
                 deliverer.deliver([x for x in (sc, sr) if x is not None])
                 break
             except ConnectionError as exc:
-                log.error("instance %s: %s; retrying in 5 s (kept in the spool)", uid, exc)
-                time.sleep(5)
+                log.error("instance %s: %s; retrying in %g s (kept in the spool)", uid, exc, self.retry_pause)
+                time.sleep(self.retry_pause)
         path.unlink(missing_ok=True)
         self.stats["delivered"] += 1
         log.info("instance %s: %s (p=%.3f), SR delivered; %.0f ms classify, %.0f ms deliver", uid,
