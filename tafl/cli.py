@@ -234,7 +234,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
     pkg = export_checkpoint(ns.checkpoint, ns.out, name=ns.name, parent=ns.parent, images=ns.images,
                             data_root=ns.data_root, force=ns.force, to_bentoml=ns.to_bentoml,
-                            sign_key=ns.sign_key)
+                            sign_key=ns.sign_key, class_codes=ns.class_codes)
     v = pkg.metadata["verification"]
     print(f"{pkg.name} {pkg.version} -> {pkg.path} (parent {pkg.metadata['parent_version'] or 'none'}); "
           f"ONNX Runtime vs PyTorch: max |dprob| {v['max_abs_prob_diff']:.1e}, max |dheatmap| "
@@ -441,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--data-root", help="where the run's dataset lies now, for the verification images")
     xp.add_argument("--force", action="store_true", help="replace an existing package in --out")
     xp.add_argument("--to-bentoml", metavar="NAME", help="also store the package in the BentoML model store")
+    xp.add_argument("--class-codes", metavar="JSON", help="class name -> {value, scheme, meaning} (e.g. SNOMED CT) "
+                                                         "for DICOM SRs; other classes use the local scheme 99TAFL")
     xp.add_argument("--sign-key", metavar="KEY", help="Ed25519 private key (`tafl keys new`) that signs the package's "
                                                       "SHA256SUMS (default $TAFL_SIGNING_KEY; unset: unsigned)")
     xp.set_defaults(func=cmd_export)

@@ -61,7 +61,10 @@ class Sink:
 
 def instances(sources: list[Path], n: int, seed: str = "burst") -> list[pydicom.Dataset]:
     """`n` instances cycled from `sources`, each with its own SOP Instance UID and marker patient data."""
-    base = [pydicom.dcmread(p) for p in sources]
+    base = [pydicom.dcmread(p, force=True) for p in sources]
+    # a sender needs the transfer syntax: a bare dataset without a file meta header cannot be sent as it is
+    base = [d for d in base if "TransferSyntaxUID" in getattr(d, "file_meta", {})
+            and all(k in d for k in ("SOPClassUID", "SOPInstanceUID"))]
     out = []
     for i in range(n):
         ds = copy.deepcopy(base[i % len(base)])  # Dataset.copy shares the elements: a new value would show in all
@@ -101,7 +104,8 @@ def send(port: int, datasets: list[pydicom.Dataset], *, ae_title: str = "TAFL", 
     from pynetdicom import AE
 
     todo = list(range(len(datasets)))
-    stats = {"acked": 0, "refused": 0, "failed_attempts": 0, "associations": 0}
+    stats: dict = {"acked": 0, "refused": 0, "failed_attempts": 0, "associations": 0, "unsendable": 0, "errors": {}}
+    errors: dict[int, int] = {}
     end = time.monotonic() + deadline
     contexts = sorted({(str(d.SOPClassUID), str(d.file_meta.TransferSyntaxUID)) for d in datasets})
     while todo and time.monotonic() < end:
@@ -123,8 +127,14 @@ def send(port: int, datasets: list[pydicom.Dataset], *, ae_title: str = "TAFL", 
                     break
                 try:
                     st = assoc.send_c_store(datasets[i])
-                except Exception:  # noqa: BLE001 - the peer went away mid-send
-                    left.extend(todo[k:])
+                except Exception as exc:  # noqa: BLE001 - the peer went away mid-send, or this dataset cannot go
+                    errors[i] = errors.get(i, 0) + 1
+                    stats["errors"][type(exc).__name__] = stats["errors"].get(type(exc).__name__, 0) + 1
+                    if errors[i] >= 5:  # not the peer: this one cannot be sent (counted, not retried forever)
+                        stats["unsendable"] += 1
+                        left.extend(todo[k + 1:])
+                    else:
+                        left.extend(todo[k:])
                     break
                 code = getattr(st, "Status", None)
                 if code == 0x0000:

@@ -159,3 +159,22 @@ def test_no_patient_data_in_warnings_and_refusals(caplog):
     with pytest.raises(UnprocessableImage) as exc:
         dicom_sr.read_header(buf.getvalue())
     assert "StudyInstanceUID" in exc.value.message and "Phimarker" not in exc.value.message
+
+
+def test_export_records_class_codes_and_the_card_states_them(gtafl_run, tmp_path):
+    import json
+
+    from tafl.errors import ConfigError
+    from tafl.packaging import load_package
+    from tafl.packaging.export import export_checkpoint
+
+    codes = tmp_path / "codes.json"
+    codes.write_text(json.dumps({"3": {"value": "372244006", "scheme": "SCT", "meaning": "Malignant melanoma"}}))
+    pkg = load_package(export_checkpoint(gtafl_run / "final.pt", tmp_path / "pkg", class_codes=codes).path)
+    assert pkg.metadata["class_codes"]["3"]["value"] == "372244006"
+    assert "3: SCT 372244006 (Malignant melanoma)" in pkg.card and "99TAFL" in pkg.card
+    algo = dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files["model.onnx"])
+    assert algo.class_codes[3]["scheme"] == "SCT" and algo.class_codes[0]["scheme"] == "99TAFL"
+    codes.write_text(json.dumps({"no-such-class": {"value": "1", "scheme": "SCT"}}))
+    with pytest.raises(ConfigError, match="not a class of this model"):
+        export_checkpoint(gtafl_run / "final.pt", tmp_path / "pkg2", class_codes=codes)

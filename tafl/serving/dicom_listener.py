@@ -287,7 +287,7 @@ class Listener:
         return len(left)
 
     def start(self) -> None:
-        from pynetdicom import ALL_TRANSFER_SYNTAXES, AE, AllStoragePresentationContexts, evt
+        from pynetdicom import ALL_TRANSFER_SYNTAXES, AE, evt
         from pynetdicom.sop_class import Verification
 
         self.pool.warm()
@@ -297,8 +297,8 @@ class Listener:
             t.start()
             self._threads.append(t)
         ae = AE(ae_title=self.ae_title)
-        for cx in AllStoragePresentationContexts:
-            ae.add_supported_context(cx.abstract_syntax, ALL_TRANSFER_SYNTAXES)
+        for sop in storage_classes():
+            ae.add_supported_context(sop, ALL_TRANSFER_SYNTAXES)
         ae.add_supported_context(Verification)
         ae.maximum_associations = 16
         handlers = [(evt.EVT_C_STORE, self._on_store), (evt.EVT_C_ECHO, self._on_echo),
@@ -327,6 +327,18 @@ class Listener:
             t.join(timeout)
         self._threads.clear()
         self.pool.close()
+
+
+def storage_classes() -> list[str]:
+    """Every storage SOP class the listener accepts: pynetdicom's list and the retired image storage classes
+    pydicom knows (old modalities still send US Image Storage 1.2.840.10008.5.1.4.1.1.6 and the like)."""
+    from pydicom._uid_dict import UID_dictionary
+    from pynetdicom import AllStoragePresentationContexts
+
+    current = [cx.abstract_syntax for cx in AllStoragePresentationContexts]
+    retired = [uid for uid, v in UID_dictionary.items() if v[1] == "SOP Class" and "Storage" in v[0]
+               and "Commitment" not in v[0] and uid.startswith("1.2.840.10008.5.1.4.1.1.") and uid not in current]
+    return current + sorted(retired)
 
 
 def _frame_result(model: Any, out: dict[str, Any], i: int) -> dict[str, Any]:
