@@ -335,10 +335,17 @@ def storage_classes() -> list[str]:
     from pydicom._uid_dict import UID_dictionary
     from pynetdicom import AllStoragePresentationContexts
 
+    from pynetdicom.service_class import StorageServiceClass
+    from pynetdicom.sop_class import register_uid, uid_to_service_class
+
     current = [cx.abstract_syntax for cx in AllStoragePresentationContexts]
-    retired = [uid for uid, v in UID_dictionary.items() if v[1] == "SOP Class" and "Storage" in v[0]
-               and "Commitment" not in v[0] and uid.startswith("1.2.840.10008.5.1.4.1.1.") and uid not in current]
-    return current + sorted(retired)
+    retired = sorted(uid for uid, v in UID_dictionary.items() if v[1] == "SOP Class" and "Storage" in v[0]
+                     and "Commitment" not in v[0] and uid.startswith("1.2.840.10008.5.1.4.1.1.")
+                     and uid not in current)
+    for uid in retired:  # pynetdicom routes a C-STORE only for a class it maps to the storage service
+        if uid_to_service_class(uid) is not StorageServiceClass:
+            register_uid(uid, "TaflRetired" + uid.replace(".", "_"), StorageServiceClass)
+    return current + retired
 
 
 def _frame_result(model: Any, out: dict[str, Any], i: int) -> dict[str, Any]:
