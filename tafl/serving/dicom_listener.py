@@ -231,13 +231,18 @@ class Listener:
         except TaflError as exc:
             return self._fail(path, "?", exc)
         uid = dicom_sr.uid_hash(source.SOPInstanceUID)
-        if str(source.get("SOPClassUID", "")).startswith(dicom_sr.NOT_IMAGES):
-            log.info("instance %s: not an image object; acknowledged, not classified", uid)
-            self.stats["skipped"] += 1
-            path.unlink(missing_ok=True)
-            return
         try:
             decoded = loop.run_until_complete(decode_upload(self.pool, data, **self.limits))
+        except TaflError as exc:
+            # what the service classifies is classified (a segmentation with pixels too); a non-image object
+            # (SR, presentation state, RT plan, ...) that has nothing to decode is acknowledged and skipped
+            if str(source.get("SOPClassUID", "")).startswith(dicom_sr.NOT_IMAGES):
+                log.info("instance %s: not an image object; acknowledged, not classified", uid)
+                self.stats["skipped"] += 1
+                path.unlink(missing_ok=True)
+                return None
+            return self._fail(path, uid, exc)
+        try:
             out = self.pkg.run(self.session, self.pkg.preprocess(decoded.frames))
             result = _frame_result(SimpleNamespace(package=self.pkg), out, 0)
             rgb = None

@@ -144,3 +144,30 @@ def test_back_pressure_and_a_destination_that_comes_back(gtafl_pkg, tmp_path, ca
         if sink is not None:
             sink.close()
     assert PHI_ID not in caplog.text and PHI_NAME not in caplog.text
+
+
+@pytest.mark.slow
+def test_folder_destination_retired_classes_and_non_images(gtafl_pkg, tmp_path):
+    """SRs written into a folder; a retired SOP class (US Image Storage 1.2.840.10008.5.1.4.1.1.6, from the
+    shared real DICOMs) is accepted and classified; an SR sent to the listener is acknowledged, not classified."""
+    from tafl.serving.dicom_listener import Destination, Listener
+
+    from tests.conftest import shared
+
+    retired = shared("dicom", "color-pl.dcm")
+    port = free_port()
+    lst = Listener(gtafl_pkg, Destination(folder=tmp_path / "srs"), port=port, spool=tmp_path / "spool")
+    lst.start()
+    try:
+        sent = instances([retired, SOURCES[0]], 2, seed="folder" + str(tmp_path))
+        report = pydicom.dcmread(get_testdata_file("reportsi.dcm"))  # a Basic Text SR: not an image
+        stats = send(port, sent + [report], deadline=60)
+        lst.stop(drain=True)
+    finally:
+        lst.stop()
+    assert stats["acked"] == 3 and stats["unsent"] == 0, stats
+    assert lst.stats["classified"] == 2 and lst.stats["skipped"] == 1
+    files = sorted((tmp_path / "srs").glob("*.dcm"))
+    refs = {pydicom.dcmread(f).CurrentRequestedProcedureEvidenceSequence[0].ReferencedSeriesSequence[0]
+            .ReferencedSOPSequence[0].ReferencedSOPClassUID for f in files}
+    assert len(files) == 2 and "1.2.840.10008.5.1.4.1.1.6" in refs
