@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tafl.errors import TaflError
+from tafl.errors import ConfigError, TaflError
 from tafl.imaging import dicom_sr
 
 
@@ -39,6 +39,8 @@ class DicomWriter:
         self.written = 0
         self.failed: list[tuple[str, str]] = []
         pkg = getattr(scorer, "pkg", None)
+        if pkg is None and getattr(scorer, "client", None) is None:
+            raise ConfigError("--dicom-out works with in-process (--package) or service (--url) scoring")
         self.algo = (dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
                      if pkg is not None else None)
 
