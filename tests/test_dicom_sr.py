@@ -30,6 +30,7 @@ def _check(sr_bytes: bytes, sc_bytes: bytes | None, source: pydicom.Dataset, lab
     hsr = hd.sr.srread(io.BytesIO(sr_bytes))  # highdicom reads it back as an SR document
     assert sr.SOPClassUID == dicom_sr.SR_STORAGE and hsr.SOPInstanceUID == sr.SOPInstanceUID
     assert sr.VerificationFlag == "UNVERIFIED" and sr.CompletionFlag == "PARTIAL"
+    assert "99TAFL" in {c.CodingSchemeDesignator for c in sr.CodingSchemeIdentificationSequence}  # declared
     assert sr.StudyInstanceUID == source.StudyInstanceUID
     assert sr.SeriesInstanceUID != source.get("SeriesInstanceUID") and sr.SOPInstanceUID != source.SOPInstanceUID
     for key in PATIENT:  # the source's values, or empty where it has none: nothing invented
@@ -110,6 +111,7 @@ def test_shared_real_dicoms_get_an_sr_and_a_secondary_capture():
 def test_pydicom_test_files(name):
     data = Path(get_testdata_file(name)).read_bytes()
     source, sr, sc = _make(data, label=2)
+    assert source.SOPClassUID == pydicom.dcmread(io.BytesIO(data), stop_before_pixels=True).SOPClassUID  # untouched
     _check(sr, sc, source, 2)
     _, sr_plain, none = _make(data, label=0, heat=False)
     assert none is None

@@ -26,6 +26,7 @@ pydicom, highdicom and NumPy only; imports nothing of tafl but `tafl.errors`.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import re
@@ -142,6 +143,12 @@ def _uid(*parts: str) -> str:
     return generate_uid(entropy_srcs=[str(p) for p in parts])
 
 
+def pydicom_dataset():
+    import pydicom
+
+    return pydicom.Dataset()
+
+
 def _code(c: dict[str, str]):
     from highdicom.sr import CodedConcept
 
@@ -169,7 +176,7 @@ def _evidence(ds):
             if not re.fullmatch(r"\d{8}" if elem.VR == "DA" else r"\d{2,6}(\.\d{1,6})?", fixed.strip()):
                 continue
             elem = pydicom.DataElement(elem.tag, elem.VR, fixed.strip())
-        src.add(elem)
+        src.add(copy.deepcopy(elem))  # its own elements: a change to the copy must not reach the caller's source
     for key in TYPE2_EMPTY:  # Type 2 (may be empty) attributes highdicom reads: absent in the source means unknown
         if key not in src:
             setattr(src, key, "")
@@ -253,6 +260,10 @@ def structured_report(source, finding: Finding, algo: Algorithm, heatmap_sc=None
         series_number=SR_SERIES_NUMBER, sop_instance_uid=_uid(src_uid, algo.checksum, "sr"), instance_number=1,
         manufacturer=MANUFACTURER, is_complete=False, is_final=False, is_verified=False,
         series_description=f"AI result {algo.name} {algo.version} (unverified)"[:64])
+    scheme = pydicom_dataset()
+    scheme.CodingSchemeDesignator, scheme.CodingSchemeName = LOCAL_SCHEME, LOCAL_SCHEME_NAME
+    scheme.CodingSchemeResponsibleOrganization = MANUFACTURER
+    sr.CodingSchemeIdentificationSequence = [*sr.get("CodingSchemeIdentificationSequence", []), scheme]
     if retired:  # the evidence names the source's own SOP class
         for study in sr.get("CurrentRequestedProcedureEvidenceSequence", []):
             for series in study.get("ReferencedSeriesSequence", []):
