@@ -309,7 +309,12 @@ class Listener:
         handlers = [(evt.EVT_C_STORE, self._on_store), (evt.EVT_C_ECHO, self._on_echo),
                     (evt.EVT_ACCEPTED, self._on_assoc), (evt.EVT_REJECTED, self._on_assoc),
                     (evt.EVT_ABORTED, self._on_abort)]
-        self._server = ae.start_server((self.host, self.port), block=False, evt_handlers=handlers)
+        try:
+            self._server = ae.start_server((self.host, self.port), block=False, evt_handlers=handlers)
+        except OSError as exc:
+            self.stop()
+            raise ConfigError(f"cannot listen on {self.host}:{self.port} ({exc.strerror or exc}); is another "
+                              "listener running? choose another --port") from None
         log.info("DICOM listener %s on %s:%d, model %s %s, spool %s", self.ae_title, self.host, self.port,
                  self.pkg.name, self.pkg.version, self.spool)
 
