@@ -90,7 +90,14 @@ def _listener(pkg: str, port: int, dest: int, spool: Path, log: Path) -> subproc
     return subprocess.Popen([sys.executable, "-m", "tafl.cli", "dicom-listen", "--package", pkg, "--port", str(port),
                              "--dest", f"DEST@127.0.0.1:{dest}", "--spool", str(spool)],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def burst(pkg: str, sources: list[Path], n: int, work: Path, restart: bool) -> dict:
@@ -116,6 +123,7 @@ def burst(pkg: str, sources: list[Path], n: int, work: Path, restart: bool) -> d
     if restart:
         killed.wait(600)
         box["proc"].wait(30)
+        _reap(box["proc"])  # the crashed listener's idle decoder processes (they outlive a SIGKILLed parent)
         spooled_at_kill = len(list((spool / "queue").glob("*.dcm")))
         t_kill = time.perf_counter()
         box["proc"] = _listener(pkg, port, sink.port, spool, log)
@@ -141,6 +149,7 @@ def burst(pkg: str, sources: list[Path], n: int, work: Path, restart: bool) -> d
         box["proc"].wait(30)
     except subprocess.TimeoutExpired:
         box["proc"].kill()
+    _reap(box["proc"])
     sink.close()
     text = log.read_text()
     phi = sum(text.count(x) for x in (PHI_NAME, PHI_NAME.split("^")[0], PHI_ID, PHI_BIRTH))

@@ -30,7 +30,15 @@ def _listener(pkg: Path, port: int, dest_port: int, spool: Path, log: Path, extr
     fh = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "tafl.cli", "dicom-listen", "--package", str(pkg), "--port",
                              str(port), "--dest", f"DEST@127.0.0.1:{dest_port}", "--spool", str(spool), *extra],
-                            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+                            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)  # its own group: a crash is cleaned up with the group
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _check_srs(sink: Sink, sent: list[pydicom.Dataset], names: list[str]) -> None:
@@ -81,6 +89,7 @@ def test_round_trip_with_a_listener_killed_mid_burst(gtafl_pkg, tmp_path):
         sender.start()
         assert killed.wait(60)
         proc.wait(10)
+        _reap(proc)  # the crashed listener's idle decoder processes (they outlive a SIGKILLed parent)
         left = len(list((spool / "queue").glob("*.dcm")))
         proc = _listener(gtafl_pkg, port, sink.port, spool, log, ["--heatmap"])  # the same spool
         sender.join(160)
@@ -99,6 +108,7 @@ def test_round_trip_with_a_listener_killed_mid_burst(gtafl_pkg, tmp_path):
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        _reap(proc)
         sink.close()
     text = log.read_text()
     assert "SR delivered" in text and ("queued again" in text or left == 0)
