@@ -234,7 +234,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
     pkg = export_checkpoint(ns.checkpoint, ns.out, name=ns.name, parent=ns.parent, images=ns.images,
                             data_root=ns.data_root, force=ns.force, to_bentoml=ns.to_bentoml,
-                            sign_key=ns.sign_key)
+                            sign_key=ns.sign_key, class_codes=ns.class_codes)
     v = pkg.metadata["verification"]
     print(f"{pkg.name} {pkg.version} -> {pkg.path} (parent {pkg.metadata['parent_version'] or 'none'}); "
           f"ONNX Runtime vs PyTorch: max |dprob| {v['max_abs_prob_diff']:.1e}, max |dheatmap| "
@@ -328,7 +328,8 @@ def cmd_score(ns: argparse.Namespace) -> int:
                            token=ns.token or os.environ.get("TAFL_API_TOKEN"), model=ns.model,
                            concurrency=ns.concurrency, batch_size=ns.batch_size, resume=ns.resume, force=ns.force,
                            progress=False if ns.no_progress else None, prior=ns.prior, engine=ns.engine,
-                           address=ns.address, workers=ns.workers, gpus_per_worker=ns.gpus_per_worker)
+                           address=ns.address, workers=ns.workers, gpus_per_worker=ns.gpus_per_worker,
+                           dicom_out=ns.dicom_out, dicom_heatmap=ns.dicom_heatmap)
     print_summary(summary)
     return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
 
@@ -386,6 +387,15 @@ def _print_summary(report: dict[str, Any], out: Path) -> None:
 
 
 # ------------------------------------------------------------------ parser
+def cmd_dicom_listen(ns: argparse.Namespace) -> int:
+    from tafl.serving.dicom_listener import Destination, Listener, serve
+
+    dest = Destination.parse(ns.dest, ns.out_dir)
+    serve(Listener(ns.package, dest, ae_title=ns.ae_title, host=ns.host, port=ns.port, spool=ns.spool,
+                   heatmap=ns.heatmap, max_queue=ns.max_queue, workers=ns.workers))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tafl", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -432,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--data-root", help="where the run's dataset lies now, for the verification images")
     xp.add_argument("--force", action="store_true", help="replace an existing package in --out")
     xp.add_argument("--to-bentoml", metavar="NAME", help="also store the package in the BentoML model store")
+    xp.add_argument("--class-codes", metavar="JSON", help="class name -> {value, scheme, meaning} (e.g. SNOMED CT) "
+                                                         "for DICOM SRs; other classes use the local scheme 99TAFL")
     xp.add_argument("--sign-key", metavar="KEY", help="Ed25519 private key (`tafl keys new`) that signs the package's "
                                                       "SHA256SUMS (default $TAFL_SIGNING_KEY; unset: unsigned)")
     xp.set_defaults(func=cmd_export)
@@ -487,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "or as many as its GPUs hold at --gpus-per-worker)")
     sc.add_argument("--gpus-per-worker", type=float, default=0.0,
                     help="--engine ray: GPUs per actor (default 0: CPU; e.g. 0.25 puts four actors on each GPU)")
+    sc.add_argument("--dicom-out", metavar="DIR", help="also write a DICOM SR per DICOM input into DIR (resumable)")
+    sc.add_argument("--dicom-heatmap", action="store_true", help="with --dicom-out: the heatmap as a secondary capture")
     sc.set_defaults(func=cmd_score)
 
     rt = sub.add_parser("retrain", help="continue training from a package's checkpoint on new or more data")
@@ -513,6 +527,23 @@ def build_parser() -> argparse.ArgumentParser:
                          "whatever of the server still runs after S s is killed; a second signal kills at once "
                          "(default: $TAFL_DRAIN_SECONDS or 20)")
     sv.set_defaults(func=cmd_serve)
+
+    dl = sub.add_parser("dicom-listen", help="a DICOM Storage SCP: classify every received instance and store its "
+                                             "SR (C-STORE to a destination AE, or a folder)")
+    dl.add_argument("--package", required=True, help="model package folder")
+    dl.add_argument("--ae-title", default="TAFL")
+    dl.add_argument("--host", default="127.0.0.1")
+    dl.add_argument("--port", type=int, default=11112)
+    dl_to = dl.add_mutually_exclusive_group(required=True)
+    dl_to.add_argument("--dest", metavar="AE@HOST:PORT", help="store SRs to this storage SCP (C-STORE, retried)")
+    dl_to.add_argument("--out-dir", metavar="DIR", help="write SRs into DIR instead")
+    dl.add_argument("--spool", default="tafl-dicom-spool", help="received instances wait here, durably, until "
+                                                                "their SR is stored (default ./tafl-dicom-spool)")
+    dl.add_argument("--heatmap", action="store_true", help="also store the heatmap as a secondary capture")
+    dl.add_argument("--max-queue", type=int, default=64, help="instances waiting before C-STOREs are refused "
+                                                              "(0xA700, the sender retries)")
+    dl.add_argument("--workers", type=int, default=2, help="classifying threads (each with its own association to --dest)")
+    dl.set_defaults(func=cmd_dicom_listen)
 
     d = sub.add_parser("demo", help="train GTAFL on the embedded digits, export, serve and call the service")
     d.add_argument("--out", default="runs/demo", help="demo folder (default runs/demo)")

@@ -280,8 +280,8 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
                  token: str | None = None, model: str | None = None, concurrency: int = 4, batch_size: int = 16,
                  resume: bool = False, force: bool = False, progress: bool | None = None,
                  on_row: Callable[[Row], None] | None = None, prior: str = "train", engine: str = "local",
-                 address: str | None = None, workers: int | None = None, gpus_per_worker: float = 0.0
-                 ) -> dict[str, Any]:
+                 address: str | None = None, workers: int | None = None, gpus_per_worker: float = 0.0,
+                 dicom_out: str | Path | None = None, dicom_heatmap: bool = False) -> dict[str, Any]:
     """`engine`: local (this process) or ray (tafl.clients.ray_engine: a pool of `workers` actors on the Ray cluster
     at `address`, or on a local instance started for the job, each with `gpus_per_worker` GPUs; needs --package).
     `prior`: train (the model's own rule); adaptive (each row keeps its calibrated posteriors; at the end the
@@ -299,6 +299,9 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         raise ConfigError("--engine ray runs the package on the cluster: give --package PKG_DIR, not --url")
     if engine == "local" and (address or workers or gpus_per_worker):
         raise ConfigError("--address, --workers and --gpus-per-worker go with --engine ray")
+    if engine == "ray" and dicom_out is not None:
+        raise ConfigError("--dicom-out is not supported with --engine ray yet (the SRs are written by the scoring "
+                          "process); score with the local engine or --url")
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder")
     images, skipped = walk(folder)
@@ -330,6 +333,11 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         return p.relative_to(folder).as_posix()
 
     todo = [p for p in images if rel(p) not in results.done]
+    dicom = None
+    if dicom_out is not None:  # SR (+ heatmap SC) per DICOM input, written before its row: tafl.clients.dicom_out
+        from tafl.clients.dicom_out import DicomWriter
+
+        dicom = DicomWriter(dicom_out, folder, scorer, heatmap=dicom_heatmap)
     counts: dict[str, int] = {}
     failed: list[tuple[str, str]] = []
     from tqdm.auto import tqdm
@@ -338,6 +346,8 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         with tqdm(total=len(images), initial=len(images) - len(todo), unit="img", desc="scoring",
                   disable=(not progress) if progress is not None else None, dynamic_ncols=True) as bar:
             for row in scorer.score(todo, rel):
+                if dicom is not None:
+                    dicom.write(row)
                 results.write(row)
                 if row.error:
                     failed.append((row.path, row.error))
@@ -359,6 +369,8 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     summary = {"images": len(images), "scored_now": len(todo), "already_done": len(images) - len(todo),
                "predicted": scored, "failed": failed, "skipped": [rel(p) for p in skipped], "class_mix": mix,
                "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
+    if dicom is not None:
+        summary.update(dicom_written=dicom.written, dicom_failed=dicom.failed)
     if adaptive:
         summary["prior"] = redecide_adaptive(out, scorer.meta)
         for m in mix:
@@ -453,6 +465,10 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"  failed: {path}: {why}")
     if len(s["failed"]) > 20:
         print(f"  ... and {len(s['failed']) - 20} more (see the error column)")
+    if "dicom_written" in s:
+        print(f"DICOM SR written for {s['dicom_written']} input(s); {len(s['dicom_failed'])} without one")
+        for path, why in s["dicom_failed"][:10]:
+            print(f"  no SR: {path}: {why}")
     for path in s["skipped"][:10]:
         print(f"  skipped (not DICOM, PNG or JPEG): {path}")
     pr = s.get("prior") or {}

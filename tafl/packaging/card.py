@@ -12,6 +12,24 @@ def _pct(v: Any) -> str:
     return "—" if v is None else f"{100 * v:.1f}%"
 
 
+def _codes_line(m: dict[str, Any]) -> str:
+    """How DICOM structured reports code each class (tafl.imaging.dicom_sr.class_codes)."""
+    from tafl.imaging.dicom_sr import LOCAL_SCHEME, class_codes
+
+    codes = class_codes(m)
+    given = [f"{n}: {c['scheme']} {c['value']} ({c['meaning']})" for n, c in zip(m["class_names"], codes)
+             if c["scheme"] != LOCAL_SCHEME]
+    local = [n for n, c in zip(m["class_names"], codes) if c["scheme"] == LOCAL_SCHEME]
+    text = "DICOM SR codes (format=sr, `tafl dicom-listen`): "
+    if given:
+        text += "; ".join(given) + (". " if local else ".")
+    if local:
+        text += (f"{'the other classes' if given else 'every class'} in the local coding scheme **{LOCAL_SCHEME}** "
+                 "(tafl local codes; value `class-<index>`, meaning the class name), not a standard terminology: "
+                 "map them to SNOMED CT with `class_codes` in metadata.json before results are filed in a PACS.")
+    return text
+
+
 def render_card(m: dict[str, Any]) -> str:
     cfg = m["training"]["run_config"]
     lines = [f"# {m['name']} {m['version']}", "",
@@ -25,6 +43,7 @@ def render_card(m: dict[str, Any]) -> str:
     counts = m["training"].get("train_class_counts") or [None] * len(m["class_names"])
     for i, (c, n) in enumerate(zip(m["class_names"], counts)):
         lines.append(f"| {i} | {c} | {n if n is not None else '—'} |")
+    lines += ["", _codes_line(m)]
     pre = m["input"]["preprocess"]
     lines += ["", "## Input", "", f"`{m['input']['name']}`: float32 {m['input']['shape']}; "
               f"{m['input']['preprocessing']} (size {pre['size']}, {pre['channels']} channel(s), mean "

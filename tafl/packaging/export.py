@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import tafl
-from tafl.errors import PackageError
+from tafl.errors import ConfigError, PackageError
 from tafl.packaging.card import render_card
 from tafl.packaging.package import SCHEMA, ModelPackage, bump_minor, load_package, write_checksums
 from tafl.imaging import Preprocess
@@ -338,9 +338,11 @@ def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: boo
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | None = None,
                       parent: str | Path | None = None, images: str | None = None, data_root: str | None = None,
                       force: bool = False, to_bentoml: str | None = None,
-                      sign_key: str | Path | None = None) -> ModelPackage:
+                      sign_key: str | Path | None = None, class_codes: str | Path | None = None) -> ModelPackage:
     """`sign_key`: an Ed25519 private key (PEM path, `tafl keys new`) that signs SHA256SUMS; None reads
-    TAFL_SIGNING_KEY (unset: the package is unsigned)."""
+    TAFL_SIGNING_KEY (unset: the package is unsigned). `class_codes`: a JSON file mapping class names to codes
+    ({"melanoma": {"value": "372244006", "scheme": "SCT", "meaning": "Malignant melanoma"}}), recorded as
+    metadata `class_codes` for DICOM SRs (tafl.imaging.dicom_sr); a class without one uses the local scheme."""
     import os
 
     from tafl.packaging.signing import SIGNING_ENV, TRUSTED_ENV, load_private_key
@@ -367,6 +369,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
         check = _verify_with_prior(graph, onnx_path, x, names)
         metrics = _metrics_from(ck_path)
         meta = _metadata(ck, mcfg, pre, graph, names, experts, vote, pkg_name, lineage, metrics, check)
+        if class_codes is not None:
+            meta["class_codes"] = _class_codes(class_codes, meta["class_names"])
         _write_package(tmpd, meta, ck_path, out, signer)
     # a signed package is checked against its own key; an unsigned one without keys (it is the consumer's trust
     # list that refuses it), with a warning where this environment has one
@@ -469,6 +473,24 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
         "limitations": _limitations(ck, metrics, mcfg.is_vit),
         "verification": check,
     }
+
+
+def _class_codes(path: str | Path, names: list[str]) -> dict[str, dict[str, str]]:
+    try:
+        given = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--class-codes {path}: not a readable JSON file ({exc})") from None
+    if not isinstance(given, dict):
+        raise ConfigError(f"--class-codes {path}: expected an object mapping class names to codes")
+    out = {}
+    for name, c in given.items():
+        if name not in names:
+            raise ConfigError(f"--class-codes {path}: {name!r} is not a class of this model ({', '.join(names)})")
+        if not isinstance(c, dict) or not all(isinstance(c.get(k), str) and c.get(k) for k in ("value", "scheme")):
+            raise ConfigError(f"--class-codes {path}: {name!r} needs a \"value\" and a \"scheme\" "
+                              "(e.g. {\"value\": \"372244006\", \"scheme\": \"SCT\", \"meaning\": \"...\"})")
+        out[name] = {"value": c["value"], "scheme": c["scheme"], "meaning": str(c.get("meaning") or name)}
+    return out
 
 
 def _write_package(tmpd: Path, meta: dict[str, Any], ck_path: Path, out: Path, signer: Any = None) -> None:

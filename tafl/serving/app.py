@@ -397,6 +397,9 @@ async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     model = state.registry.get(options.get("model"))
     audit.update(model=model.name, version=model.package.version)
     want_heat = _flag(options.get("heatmap", "false"), "heatmap")
+    from tafl.serving.dicom_results import wants_sr
+
+    sr_source = data if wants_sr(request, options, data) else None  # format=sr: a 415 for a non-DICOM
     ratio, prior = _prior_choice(model, options)
     s = state.settings
     t0 = time.perf_counter()
@@ -409,6 +412,7 @@ async def _predict_core(request: Request, rid: str, audit: dict[str, Any]):
     audit.update(kind=decoded.kind, frames=len(decoded.frames), prior=prior["used"])
     out["_prior"] = prior  # type: ignore[assignment]  # request facts the routes answer with
     out["_posteriors"] = _flag(options.get("posteriors", "false"), "posteriors")  # type: ignore[assignment]
+    out["_sr_source"] = sr_source  # type: ignore[assignment]
     return model, decoded, out, want_heat, (t0, t1, t2)
 
 
@@ -420,6 +424,16 @@ async def predict(request: Request) -> Response:
         async with asyncio.timeout(state.settings.timeout_s):  # no extra task per request, unlike wait_for
             model, decoded, out, want_heat, (t0, t1, t2) = await _predict_core(request, rid, audit)
         results = [_frame_result(model, out, i, bool(out["_posteriors"])) for i in range(len(decoded.frames))]
+        if out["_sr_source"] is not None:  # DICOM SR (+ secondary capture) instead of JSON: tafl.serving.dicom_results
+            from tafl.serving.dicom_results import sr_response
+
+            resp = await sr_response(model, out["_sr_source"], results[0], decoded.frames,
+                                     out["heatmap"][0] if want_heat else None, rid)
+            for r in results:
+                _count(model, r["class_name"])
+            _audit(**audit, status=200, format="sr", label=results[0]["label"], class_name=results[0]["class_name"],
+                   timing_ms=round(1000 * (time.perf_counter() - start), 2))
+            return resp
         body: dict[str, Any] = {"request_id": rid, **results[0],
                                 "model": {"name": model.name, "version": model.package.version,
                                           "method": model.package.metadata["method"]},

@@ -64,6 +64,9 @@ OPTIONS = {
     "posteriors": {"type": "string", "description": "true: add the calibrated probabilities under the prior"},
 }
 BINARY = {"type": "string", "format": "binary"}
+FORMAT = {"type": "string", "enum": ["json", "sr"],
+          "description": "sr (or Accept: application/dicom): a DICOM Comprehensive SR instead of JSON, with "
+                         "heatmap=true also the overlay as a secondary capture (multipart/related); DICOM inputs only"}
 
 
 def _errors(*codes: int) -> dict[str, Any]:
@@ -80,6 +83,8 @@ def _image_body(many: bool) -> dict[str, Any]:
     props.update(OPTIONS)
     content: dict[str, Any] = {"multipart/form-data": {"schema": {"type": "object", "required": ["file"],
                                                                   "properties": props}}}
+    if not many:
+        props["format"] = FORMAT
     if not many:  # the raw image as the body, the options in the query
         for media in ("image/png", "image/jpeg", "application/dicom", "application/octet-stream"):
             content[media] = {"schema": BINARY}
@@ -105,9 +110,12 @@ def spec(version: str) -> dict[str, Any]:
         "paths": {
             "/predict": {"post": {
                 "summary": "classify one image: label, probabilities, each expert's vote, optionally the heatmap",
-                "parameters": QUERY, "requestBody": _image_body(False),
+                "parameters": QUERY + [{"name": "format", "in": "query", "required": False, "schema": FORMAT}],
+                "requestBody": _image_body(False),
                 "responses": {"200": {"description": "the prediction", "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/Prediction"}}}},
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Prediction"}},
+                    "application/dicom": {"schema": BINARY},
+                    "multipart/related": {"schema": BINARY}}},
                     **_errors(*image_errors)}}},
             "/predict/batch": {"post": {
                 "summary": "classify several images (the field 'file', repeated): one result or error per image",

@@ -1,0 +1,112 @@
+"""`tafl score --dicom-out DIR`: a DICOM SR (and, with --dicom-heatmap, the heatmap as a secondary capture)
+for every DICOM input of a scored folder, beside the CSV.
+
+Files: DIR/<the input's path in the folder>.sr.dcm and .heatmap.dcm. Each is written to a temporary name and
+renamed, before the input's row is appended to the results file, so `--resume` (which skips the rows
+already in the file) never leaves an input without its SR, and a kill leaves no half-written object.
+
+In-process (--package) the SR is built from the row's own facts (class, probability, each expert's vote)
+and the package's identity; a heatmap runs the package once more on that file. Through a service (--url)
+each DICOM input is sent once more with format=sr, and the service's SR (and SC) are stored as they come.
+An input whose SR cannot be made (a DICOM without the UIDs an SR must reference) keeps its row and is listed
+in the summary's `dicom_failed`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tafl.errors import ConfigError, TaflError
+from tafl.imaging import dicom_sr
+
+
+def _atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class DicomWriter:
+    def __init__(self, out_dir: str | Path, folder: Path, scorer: Any, heatmap: bool = False):
+        self.out, self.folder, self.scorer, self.heatmap = Path(out_dir), folder, scorer, heatmap
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.written = 0
+        self.failed: list[tuple[str, str]] = []
+        pkg = getattr(scorer, "pkg", None)
+        if pkg is None and getattr(scorer, "client", None) is None:
+            raise ConfigError("--dicom-out works with in-process (--package) or service (--url) scoring")
+        self.algo = (dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
+                     if pkg is not None else None)
+
+    def targets(self, rel: str) -> tuple[Path, Path]:
+        base = self.out / rel
+        return base.with_name(base.name + ".sr.dcm"), base.with_name(base.name + ".heatmap.dcm")
+
+    def write(self, row: Any) -> None:
+        """The SR (and SC) of one scored row whose input is DICOM; anything else is left alone."""
+        from tafl.clients.score import sniff
+
+        src = self.folder / row.path
+        if row.error or sniff(src) != "dicom":
+            return
+        try:
+            data = src.read_bytes()
+            parts = self._remote(data) if self.algo is None else self._local(data, row)
+        except (TaflError, OSError) as exc:
+            self.failed.append((row.path, getattr(exc, "message", None) or str(exc)[:200]))
+            return
+        sr_path, sc_path = self.targets(row.path)
+        if len(parts) > 1:
+            _atomic(sc_path, parts[1])  # the SC first: the SR references it
+        _atomic(sr_path, parts[0])
+        self.written += 1
+
+    def _local(self, data: bytes, row: Any) -> list[bytes]:
+        names = self.algo.class_names
+        idx = {n: i for i, n in enumerate(names)}
+        finding = dicom_sr.Finding(int(row.label), float(row.probability),
+                                   [(e, idx[c], None) for e, c in row.experts.items() if c in idx])
+        rgb = None
+        if self.heatmap:
+            from tafl.imaging import decode_image
+            from tafl.imaging.heatmap import overlay
+
+            decoded = decode_image(data)
+            pkg = self.scorer.pkg
+            out = pkg.run(self.scorer.session, pkg.preprocess(decoded.frames[:1]), self.scorer.ratio)
+            frame = decoded.frames[0]
+            rgb = overlay(frame, out["heatmap"][0])
+            if len(decoded.frames) > 1:
+                finding.frame = 1
+        source = dicom_sr.read_header(data)
+        sr, sc = dicom_sr.build(source, finding, self.algo, rgb)
+        return [dicom_sr.to_bytes(sr)] + ([dicom_sr.to_bytes(sc)] if sc is not None else [])
+
+    def _remote(self, data: bytes) -> list[bytes]:
+        client = self.scorer.client
+        fields = {"format": "sr", "heatmap": "true" if self.heatmap else "false"}
+        if self.scorer.model:
+            fields["model"] = self.scorer.model
+        # a refusal (ServiceCallError, a TaflError) is this file's failure, listed in the summary
+        r = client._call("POST", "/predict", files={"file": ("upload", data, "application/dicom")}, data=fields)
+        ctype = r.headers.get("content-type", "")
+        if ctype.startswith("multipart/related"):
+            return _split(r.content, ctype)
+        return [r.content]
+
+
+def _split(body: bytes, content_type: str) -> list[bytes]:
+    boundary = content_type.split("boundary=")[1].split(";")[0].strip().strip('"').encode()
+    out = []
+    for chunk in body.split(b"--" + boundary)[1:]:
+        if chunk.startswith(b"--"):
+            break
+        _, _, payload = chunk.partition(b"\r\n\r\n")
+        out.append(payload[:-2] if payload.endswith(b"\r\n") else payload)
+    return out

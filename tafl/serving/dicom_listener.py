@@ -1,0 +1,400 @@
+"""A DICOM Storage SCP that classifies what a PACS or router sends it: `tafl dicom-listen`.
+
+    sender --C-STORE--> listener: spool file (fsync) --ack 0x0000--> worker: decode, ONNX Runtime,
+        SR (+ heatmap SC) --C-STORE SCU (retried)--> destination AE   (or: files in a folder)
+
+Durable acknowledgment: an instance is written to the spool folder and fsynced before the C-STORE is
+answered with Success, and its spool file is removed only after its SR reached the destination. A
+listener killed mid-burst therefore loses nothing: what it acknowledged is in the spool and is processed
+when it starts again; what it did not acknowledge the sender still holds and retries. SR and SC UIDs are
+derived from the source instance and the model (tafl.imaging.dicom_sr), so an SR delivered just before a
+crash and delivered again after the restart replaces itself at the destination instead of doubling.
+
+Back-pressure: at most `max_queue` instances wait in the spool; past that a C-STORE is answered
+0xA700 (Refused: out of resources), which a sender treats as "retry later". Non-image objects (SR,
+presentation states, ...) are acknowledged and not classified.
+
+The same code path as the service: the upload decoder with the service's limits (TAFL_MAX_UPLOAD_MB,
+TAFL_MAX_PIXELS, TAFL_MAX_FRAMES; compressed DICOM in decoder processes, tafl.serving.decoding), the
+package's preprocessing, its ONNX graph, and the service's per-frame result (frame 0 is reported, as in
+the JSON answer). An instance that the service would refuse (4xx) is logged and moved to spool/failed/.
+
+Logs carry no patient data: per instance only the first 12 hex digits of the sha256 of its SOP Instance
+UID (`tafl.imaging.dicom_sr.uid_hash`), the predicted class and timings; per association the calling AE
+title and address. pydicom's, highdicom's and pynetdicom's own messages (which can quote tag values) are
+kept at WARNING or above and never include datasets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from tafl.errors import ConfigError, TaflError
+from tafl.imaging import dicom_sr
+
+log = logging.getLogger("tafl.dicom")
+
+SUCCESS, OUT_OF_RESOURCES, CANNOT_UNDERSTAND = 0x0000, 0xA700, 0xC000
+
+
+@dataclass
+class Destination:
+    """Where SRs go: a storage SCP (`AE@host:port`) or a folder."""
+
+    ae_title: str | None = None
+    host: str | None = None
+    port: int | None = None
+    folder: Path | None = None
+
+    @classmethod
+    def parse(cls, dest: str | None, folder: str | Path | None) -> Destination:
+        if (dest is None) == (folder is None):
+            raise ConfigError("give exactly one of --dest AE@HOST:PORT (a storage SCP) or --out-dir DIR")
+        if folder is not None:
+            return cls(folder=Path(folder))
+        ae, at, addr = str(dest).rpartition("@")
+        host, colon, port = addr.rpartition(":")
+        if not at or not colon or not ae or not port.isdigit():
+            raise ConfigError(f"--dest {dest!r}: write it as AE_TITLE@HOST:PORT, e.g. PACS@10.0.0.5:104")
+        return cls(ae_title=ae, host=host, port=int(port))
+
+
+class Deliverer:
+    """Stores SR and SC files: a C-STORE SCU over one kept association (re-opened on failure), or a folder."""
+
+    def __init__(self, dest: Destination, calling_ae: str, retries: int = 5, backoff: float = 0.5):
+        self.dest, self.calling_ae, self.retries, self.backoff = dest, calling_ae, retries, backoff
+        self._assoc = None
+        if dest.folder is not None:
+            dest.folder.mkdir(parents=True, exist_ok=True)
+
+    def _open(self):
+        from pynetdicom import AE
+        from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
+
+        ae = AE(ae_title=self.calling_ae)
+        for sop in (dicom_sr.SR_STORAGE, dicom_sr.SC_STORAGE):
+            ae.add_requested_context(sop, [ExplicitVRLittleEndian, ImplicitVRLittleEndian])
+        ae.acse_timeout = ae.dimse_timeout = ae.network_timeout = 30
+        assoc = ae.associate(self.dest.host, self.dest.port, ae_title=self.dest.ae_title)
+        if not assoc.is_established:
+            raise ConnectionError("the destination refused or did not answer the association")
+        return assoc
+
+    def deliver(self, objects: list[Any]) -> None:
+        """Each object (pydicom Datasets, the SC before the SR that references it), or raise after retries."""
+        if self.dest.folder is not None:
+            for ds in objects:
+                path = self.dest.folder / f"{ds.SOPInstanceUID}.dcm"
+                tmp = path.with_suffix(".part")
+                tmp.write_bytes(dicom_sr.to_bytes(ds))
+                os.replace(tmp, path)
+            return
+        last = ""
+        for attempt in range(self.retries + 1):
+            try:
+                if self._assoc is None or not self._assoc.is_established:
+                    self._assoc = self._open()
+                for ds in objects:
+                    status = self._assoc.send_c_store(ds)
+                    code = getattr(status, "Status", None)
+                    if code != SUCCESS:
+                        raise ConnectionError(f"the destination answered C-STORE with status "
+                                              f"{'none' if code is None else hex(code)}")
+                return
+            except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
+                last = str(exc)[:120]
+                self.close()
+                time.sleep(min(self.backoff * 2 ** attempt, 10.0))
+        raise ConnectionError(f"SR not delivered after {self.retries + 1} attempts: {last}")
+
+    def close(self) -> None:
+        if self._assoc is not None:
+            try:
+                self._assoc.release()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self._assoc = None
+
+
+class Listener:
+    """The Storage SCP, its spool and its worker thread(s)."""
+
+    def __init__(self, package: str | Path, destination: Destination, *, ae_title: str = "TAFL",
+                 host: str = "127.0.0.1", port: int = 11112, spool: str | Path = "tafl-dicom-spool",
+                 heatmap: bool = False, max_queue: int = 64, workers: int = 2, threads: int | None = None,
+                 settings: Any = None, deliver_retries: int = 5, retry_pause: float = 5.0):
+        from tafl.packaging import load_package
+        from tafl.serving.app import Settings
+        from tafl.serving.decoding import DecodePool
+
+        self.settings = settings or Settings.from_env()
+        self.pkg = load_package(package)
+        self.session = self.pkg.session(["CPUExecutionProvider"], threads)
+        self.algo = dicom_sr.Algorithm.from_metadata(self.pkg.metadata, self.pkg.files.get("model.onnx", ""))
+        self.destination, self.ae_title, self.host, self.port = destination, ae_title, host, port
+        self.heatmap, self.max_queue, self.workers = heatmap, max(1, max_queue), max(1, workers)
+        self.spool = Path(spool)
+        self.deliver_retries, self.retry_pause = deliver_retries, retry_pause
+        self.incoming, self.queue_dir, self.failed = (self.spool / n for n in ("incoming", "queue", "failed"))
+        for d in (self.incoming, self.queue_dir, self.failed):
+            d.mkdir(parents=True, exist_ok=True)
+        s = self.settings
+        self.limits = {"max_bytes": s.max_upload_bytes, "max_pixels": min(s.max_pixels, s.max_request_pixels),
+                       "max_frames": min(s.max_frames, s.max_request_frames)}
+        self.pool = DecodePool(s.decode_processes, deadline=max(1.0, s.timeout_s / 2))
+        self._q: queue.Queue[Path | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._seq = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._server = None
+        self.stats = {"received": 0, "refused_busy": 0, "classified": 0, "delivered": 0, "skipped": 0, "failed": 0}
+        _quiet_libraries()
+
+    # ---------------------------------------------------------------- the SCP side
+    def _on_store(self, event) -> int:
+        with self._lock:
+            if self._pending >= self.max_queue:
+                self.stats["refused_busy"] += 1
+                return OUT_OF_RESOURCES
+            self._pending += 1
+        try:
+            name = f"{time.time_ns():020d}-{next(self._seq):08d}.dcm"
+            tmp = self.incoming / name
+            with open(tmp, "wb") as fh:
+                fh.write(event.encoded_dataset())  # the bytes as received, with a file meta header: no re-encoding
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.queue_dir / name)
+            _fsync_dir(self.queue_dir)
+        except Exception as exc:  # noqa: BLE001 - a full disk, an unreadable dataset: not acknowledged
+            with self._lock:
+                self._pending -= 1
+            log.error("C-STORE not accepted: the instance could not be spooled (%s)", type(exc).__name__)
+            return OUT_OF_RESOURCES if isinstance(exc, OSError) else CANNOT_UNDERSTAND
+        with self._lock:
+            self.stats["received"] += 1
+        self._q.put(self.queue_dir / name)
+        return SUCCESS
+
+    @staticmethod
+    def _on_echo(event) -> int:
+        return SUCCESS
+
+    @staticmethod
+    def _on_assoc(event) -> None:
+        a = event.assoc.requestor
+        log.info("association %s from %s (%s:%s)", event.event.name, a.ae_title, a.address, a.port)
+
+    @staticmethod
+    def _on_abort(event) -> None:
+        a = event.assoc.requestor
+        log.warning("association aborted by %s (%s:%s)", a.ae_title, a.address, a.port)
+
+    # ---------------------------------------------------------------- the worker side
+    def _work(self) -> None:
+        loop = asyncio.new_event_loop()
+        deliverer = Deliverer(self.destination, self.ae_title, retries=self.deliver_retries)
+        try:
+            while True:
+                path = self._q.get()
+                if path is None:
+                    return
+                try:
+                    self._process(path, loop, deliverer)
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+        finally:
+            deliverer.close()
+            loop.close()
+
+    def _process(self, path: Path, loop: asyncio.AbstractEventLoop, deliverer: Deliverer) -> None:
+        from tafl.serving.decoding import decode_upload
+
+        t0 = time.perf_counter()
+        data = path.read_bytes()
+        try:
+            source = dicom_sr.read_header(data)
+        except TaflError as exc:
+            return self._fail(path, "?", exc)
+        uid = dicom_sr.uid_hash(source.SOPInstanceUID)
+        try:
+            decoded = loop.run_until_complete(decode_upload(self.pool, data, **self.limits))
+        except TaflError as exc:
+            # what the service classifies is classified (a segmentation with pixels too); a non-image object
+            # (SR, presentation state, RT plan, ...) that has nothing to decode is acknowledged and skipped
+            if str(source.get("SOPClassUID", "")).startswith(dicom_sr.NOT_IMAGES):
+                log.info("instance %s: not an image object; acknowledged, not classified", uid)
+                self.stats["skipped"] += 1
+                path.unlink(missing_ok=True)
+                return None
+            return self._fail(path, uid, exc)
+        try:
+            out = self.pkg.run(self.session, self.pkg.preprocess(decoded.frames))
+            result = _frame_result(SimpleNamespace(package=self.pkg), out, 0)
+            rgb = None
+            if self.heatmap:
+                from tafl.imaging.heatmap import overlay
+                from tafl.serving.dicom_results import _fit
+
+                rgb = overlay(_fit(decoded.frames[0]), out["heatmap"][0])
+            finding = dicom_sr.Finding.from_result(result, self.algo.class_names,
+                                                   1 if len(decoded.frames) > 1 else None)
+            sr, sc = dicom_sr.build(source, finding, self.algo, rgb)
+        except TaflError as exc:
+            return self._fail(path, uid, exc)
+        self.stats["classified"] += 1
+        t1 = time.perf_counter()
+        while True:  # the spool file stays until the SR is delivered: a destination that is down is waited for
+            try:
+                deliverer.deliver([x for x in (sc, sr) if x is not None])
+                break
+            except ConnectionError as exc:
+                log.error("instance %s: %s; retrying in %g s (kept in the spool)", uid, exc, self.retry_pause)
+                time.sleep(self.retry_pause)
+        path.unlink(missing_ok=True)
+        self.stats["delivered"] += 1
+        log.info("instance %s: %s (p=%.3f), SR delivered; %.0f ms classify, %.0f ms deliver", uid,
+                 result["class_name"], result["probability"], 1000 * (t1 - t0), 1000 * (time.perf_counter() - t1))
+
+    def _fail(self, path: Path, uid: str, exc: TaflError) -> None:
+        self.stats["failed"] += 1
+        status = getattr(exc, "status", 400)
+        log.warning("instance %s: not classified (%s %s); kept in %s", uid, status, type(exc).__name__,
+                    self.failed.name)
+        os.replace(path, self.failed / path.name)
+
+    # ---------------------------------------------------------------- lifecycle
+    def recover(self) -> int:
+        """Queue what an earlier run acknowledged but did not finish; drop half-written files it never acked."""
+        for part in self.incoming.iterdir():
+            part.unlink(missing_ok=True)
+        left = sorted(self.queue_dir.glob("*.dcm"))
+        with self._lock:
+            self._pending += len(left)
+        for p in left:
+            self._q.put(p)
+        if left:
+            log.info("%d instance(s) acknowledged before the last stop are queued again", len(left))
+        return len(left)
+
+    def start(self) -> None:
+        from pynetdicom import ALL_TRANSFER_SYNTAXES, AE, evt
+        from pynetdicom.sop_class import Verification
+
+        self.pool.warm()
+        self.recover()
+        for _ in range(self.workers):
+            t = threading.Thread(target=self._work, name="tafl-dicom-worker", daemon=True)
+            t.start()
+            self._threads.append(t)
+        ae = AE(ae_title=self.ae_title)
+        for sop in storage_classes():
+            ae.add_supported_context(sop, ALL_TRANSFER_SYNTAXES)
+        ae.add_supported_context(Verification)
+        ae.maximum_associations = 16
+        handlers = [(evt.EVT_C_STORE, self._on_store), (evt.EVT_C_ECHO, self._on_echo),
+                    (evt.EVT_ACCEPTED, self._on_assoc), (evt.EVT_REJECTED, self._on_assoc),
+                    (evt.EVT_ABORTED, self._on_abort)]
+        try:
+            self._server = ae.start_server((self.host, self.port), block=False, evt_handlers=handlers)
+        except OSError as exc:
+            self.stop()
+            raise ConfigError(f"cannot listen on {self.host}:{self.port} ({exc.strerror or exc}); is another "
+                              "listener running? choose another --port") from None
+        log.info("DICOM listener %s on %s:%d, model %s %s, spool %s", self.ae_title, self.host, self.port,
+                 self.pkg.name, self.pkg.version, self.spool)
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def stop(self, drain: bool = False, timeout: float = 30.0) -> None:
+        """Stop accepting; with `drain`, finish the queue first. What is left stays in the spool for next time."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+        if drain:
+            end = time.monotonic() + timeout
+            while self.pending() and time.monotonic() < end:
+                time.sleep(0.05)
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        self._threads.clear()
+        self.pool.close()
+
+
+def storage_classes() -> list[str]:
+    """Every storage SOP class the listener accepts: pynetdicom's list and the retired image storage classes
+    pydicom knows (old modalities still send US Image Storage 1.2.840.10008.5.1.4.1.1.6 and the like)."""
+    from pydicom._uid_dict import UID_dictionary
+    from pynetdicom import AllStoragePresentationContexts
+
+    from pynetdicom.service_class import StorageServiceClass
+    from pynetdicom.sop_class import register_uid, uid_to_service_class
+
+    current = [cx.abstract_syntax for cx in AllStoragePresentationContexts]
+    retired = sorted(uid for uid, v in UID_dictionary.items() if v[1] == "SOP Class" and "Storage" in v[0]
+                     and "Commitment" not in v[0] and uid.startswith("1.2.840.10008.5.1.4.1.1.")
+                     and uid not in current)
+    for uid in retired:  # pynetdicom routes a C-STORE only for a class it maps to the storage service
+        if uid_to_service_class(uid) is not StorageServiceClass:
+            register_uid(uid, "TaflRetired" + uid.replace(".", "_"), StorageServiceClass)
+    return current + retired
+
+
+def _frame_result(model: Any, out: dict[str, Any], i: int) -> dict[str, Any]:
+    from tafl.serving.app import _frame_result as service_result  # the JSON answer's per-frame facts
+
+    return service_result(model, out, i)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _quiet_libraries() -> None:
+    """pydicom's and pynetdicom's messages can quote tag values or dump datasets: WARNING and above only."""
+    logging.getLogger("pydicom").setLevel(logging.ERROR)
+    logging.getLogger("pynetdicom").setLevel(logging.WARNING)
+    logging.getLogger("highdicom").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="highdicom")
+    warnings.filterwarnings("ignore", module="pydicom")
+
+
+def serve(listener: Listener) -> None:
+    """Run until SIGINT or SIGTERM (the CLI's loop)."""
+    import signal
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    listener.start()
+    print(f"listening as {listener.ae_title} on {listener.host}:{listener.port}", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        listener.stop(drain=False, timeout=10)

@@ -1,0 +1,183 @@
+"""`tafl dicom-listen` over loopback: a pynetdicom sender -> the listener (a real subprocess, killed with
+SIGKILL mid-burst and started again) -> a destination storage SCP in the test. Every instance acknowledged
+or retried ends as exactly one SR at the destination, each re-reads with highdicom and references its
+source; the listener's log holds no patient data. The 200-instance burst is benchmarks/dicom_listener.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pydicom
+import pytest
+from pydicom.data import get_testdata_file
+
+from tafl.imaging import dicom_sr
+from tests.dicom_net import PHI_BIRTH, PHI_ID, PHI_NAME, Sink, echo, free_port, instances, send
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = [Path(get_testdata_file(n)) for n in ("CT_small.dcm", "MR_small.dcm", "MR_small_RLE.dcm")]
+
+
+def _listener(pkg: Path, port: int, dest_port: int, spool: Path, log: Path, extra: list[str] = ()) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TAFL_DECODE_PROCESSES": "1"}
+    fh = open(log, "ab")
+    return subprocess.Popen([sys.executable, "-m", "tafl.cli", "dicom-listen", "--package", str(pkg), "--port",
+                             str(port), "--dest", f"DEST@127.0.0.1:{dest_port}", "--spool", str(spool), *extra],
+                            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)  # its own group: a crash is cleaned up with the group
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _check_srs(sink: Sink, sent: list[pydicom.Dataset], names: list[str]) -> None:
+    import highdicom as hd
+
+    srs = {}
+    for data in list(sink.received.values()):
+        ds = pydicom.dcmread(io.BytesIO(data))
+        if ds.SOPClassUID == dicom_sr.SR_STORAGE:
+            hd.sr.srread(io.BytesIO(data))
+            ref = ds.CurrentRequestedProcedureEvidenceSequence[0].ReferencedSeriesSequence[0].ReferencedSOPSequence
+            srs[ref[0].ReferencedSOPInstanceUID] = ds
+    assert set(srs) == {str(d.SOPInstanceUID) for d in sent}  # one SR per instance, none lost, none extra
+    for d in sent:
+        sr = srs[str(d.SOPInstanceUID)]
+        assert sr.StudyInstanceUID == d.StudyInstanceUID and sr.VerificationFlag == "UNVERIFIED"
+        assert str(sr.PatientName) == PHI_NAME and sr.PatientID == PHI_ID  # the source's, carried over
+        finding = [i for i in _items(sr) if i.ConceptNameCodeSequence[0].CodeValue == "121071"][0]
+        assert finding.ConceptCodeSequence[0].CodeMeaning in names
+
+
+def _items(ds):
+    for item in ds.get("ContentSequence", []):
+        yield item
+        yield from _items(item)
+
+
+@pytest.mark.slow
+def test_round_trip_with_a_listener_killed_mid_burst(gtafl_pkg, tmp_path):
+    from tafl.packaging import load_package
+
+    names = load_package(gtafl_pkg).class_names
+    sink = Sink()
+    port, spool, log = free_port(), tmp_path / "spool", tmp_path / "listener.log"
+    proc = _listener(gtafl_pkg, port, sink.port, spool, log, ["--heatmap"])
+    try:
+        assert echo(port, timeout=90), log.read_text()[-2000:]
+        sent = instances(SOURCES, 20, seed=str(tmp_path))
+        killed = threading.Event()
+
+        def kill_after(n: int) -> None:
+            if n == 8 and not killed.is_set():  # mid-burst: acknowledged work is in the spool, some not yet sent
+                killed.set()
+                proc.send_signal(signal.SIGKILL)
+
+        stats: dict = {}
+        sender = threading.Thread(target=lambda: stats.update(send(port, sent, deadline=150, on_ack=kill_after)))
+        sender.start()
+        assert killed.wait(60)
+        proc.wait(10)
+        _reap(proc)  # the crashed listener's idle decoder processes (they outlive a SIGKILLed parent)
+        left = len(list((spool / "queue").glob("*.dcm")))
+        proc = _listener(gtafl_pkg, port, sink.port, spool, log, ["--heatmap"])  # the same spool
+        sender.join(160)
+        assert stats["unsent"] == 0 and stats["acked"] >= 20, stats
+        end = time.monotonic() + 90
+        while time.monotonic() < end and len(sink.received) < 40:  # 20 SRs and 20 heatmap SCs
+            time.sleep(0.2)
+        _check_srs(sink, sent, names)
+        scs = [d for d in sink.datasets(dicom_sr.SC_STORAGE)]
+        assert len(scs) == 20 and all(d.StudyInstanceUID in {s.StudyInstanceUID for s in sent} for d in scs)
+        assert not list((spool / "queue").glob("*.dcm"))  # everything acknowledged was finished
+        print(f"spooled at the kill: {left}; sender: {stats}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        _reap(proc)
+        sink.close()
+    text = log.read_text()
+    assert "SR delivered" in text and ("queued again" in text or left == 0)
+    for secret in (PHI_NAME, PHI_NAME.split("^")[0], PHI_ID, PHI_BIRTH):
+        assert secret not in text  # zero patient data in the listener's log
+    assert not any(str(d.SOPInstanceUID) in text for d in sent)  # only hashes of the instance UIDs
+
+
+@pytest.mark.slow
+def test_back_pressure_and_a_destination_that_comes_back(gtafl_pkg, tmp_path, caplog):
+    """With the destination down the spool fills to max_queue; further C-STOREs are refused with 0xA700
+    (out of resources), the sender retries them, and once the destination is up everything arrives."""
+    import logging
+
+    from tafl.serving.dicom_listener import Destination, Listener
+
+    caplog.set_level(logging.INFO, logger="tafl.dicom")
+    dest_port, port = free_port(), free_port()
+    lst = Listener(gtafl_pkg, Destination(ae_title="DEST", host="127.0.0.1", port=dest_port), port=port,
+                   spool=tmp_path / "spool", max_queue=3, workers=1, deliver_retries=1, retry_pause=0.3)
+    lst.start()
+    sink = None
+    try:
+        sent = instances(SOURCES, 8, seed="bp" + str(tmp_path))
+        stats: dict = {}
+        sender = threading.Thread(target=lambda: stats.update(send(port, sent, deadline=120)))
+        sender.start()
+        end = time.monotonic() + 30
+        while time.monotonic() < end and lst.stats["refused_busy"] == 0:
+            time.sleep(0.1)
+        assert lst.stats["refused_busy"] > 0 and lst.pending() <= 3  # bounded: refused, not queued without end
+        sink = Sink(port=dest_port)
+        sender.join(120)
+        assert stats["unsent"] == 0 and stats["refused"] > 0, stats
+        end = time.monotonic() + 60
+        while time.monotonic() < end and len(sink.received) < 8:
+            time.sleep(0.1)
+        from tafl.packaging import load_package
+
+        _check_srs(sink, sent, load_package(gtafl_pkg).class_names)
+    finally:
+        lst.stop(drain=False, timeout=10)
+        if sink is not None:
+            sink.close()
+    assert PHI_ID not in caplog.text and PHI_NAME not in caplog.text
+
+
+@pytest.mark.slow
+def test_folder_destination_retired_classes_and_non_images(gtafl_pkg, tmp_path):
+    """SRs written into a folder; a retired SOP class (US Image Storage 1.2.840.10008.5.1.4.1.1.6, from the
+    shared real DICOMs) is accepted and classified; an SR sent to the listener is acknowledged, not classified."""
+    from tafl.serving.dicom_listener import Destination, Listener
+
+    from tests.conftest import shared
+
+    retired = shared("dicom", "color-pl.dcm")
+    port = free_port()
+    lst = Listener(gtafl_pkg, Destination(folder=tmp_path / "srs"), port=port, spool=tmp_path / "spool")
+    lst.start()
+    try:
+        sent = instances([retired, SOURCES[0]], 2, seed="folder" + str(tmp_path))
+        report = pydicom.dcmread(get_testdata_file("reportsi.dcm"))  # a Basic Text SR: not an image
+        stats = send(port, sent + [report], deadline=60)
+        lst.stop(drain=True)
+    finally:
+        lst.stop()
+    assert stats["acked"] == 3 and stats["unsent"] == 0, stats
+    assert lst.stats["classified"] == 2 and lst.stats["skipped"] == 1
+    files = sorted((tmp_path / "srs").glob("*.dcm"))
+    refs = {pydicom.dcmread(f).CurrentRequestedProcedureEvidenceSequence[0].ReferencedSeriesSequence[0]
+            .ReferencedSOPSequence[0].ReferencedSOPClassUID for f in files}
+    assert len(files) == 2 and "1.2.840.10008.5.1.4.1.1.6" in refs
