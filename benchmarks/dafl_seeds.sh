@@ -19,12 +19,10 @@ for s in $sets; do
     ham)   cfg=configs/dafl_conv_ham10000.yaml;   root=$data/ham10000; tag=ham10000 ;;
     *) echo "unknown set $s" >&2; exit 2 ;;
   esac
-  for seed in 1 2 3; do
-    tasks+=("$cfg $root dafl_s${seed}_$tag --seed $seed")
-    tasks+=("$cfg $root dafl_ce_s${seed}_$tag --seed $seed --loss ce")
-    tasks+=("$cfg $root dafl_focal_s${seed}_$tag --seed $seed --loss focal")
-    tasks+=("$cfg $root dafl_sizeagg_s${seed}_$tag --seed $seed --aggregation size")
-  done
+  for seed in 1 2 3; do tasks+=("$cfg $root dafl_s${seed}_$tag --seed $seed"); done
+  for seed in 1 2 3; do tasks+=("$cfg $root dafl_ce_s${seed}_$tag --seed $seed --loss ce"); done
+  for seed in 1 2 3; do tasks+=("$cfg $root dafl_focal_s${seed}_$tag --seed $seed --loss focal"); done
+  for seed in 1 2 3; do tasks+=("$cfg $root dafl_sizeagg_s${seed}_$tag --seed $seed --aggregation size"); done
 done
 one() {
   set -- $1
