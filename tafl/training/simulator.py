@@ -270,6 +270,11 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
         kept = _finish(method, kept, transport, finish_cfg, cfg, book)
     if cfg.calibration != "none" and "calibration" not in kept.meta:
         kept = _calibrate(method, kept, transport, cfg, book)
+    if "calibration" not in kept.meta:  # uncalibrated: record the prior its posteriors describe, for the package
+        from tafl.prior import Calibration
+
+        identity = Calibration(source_prior=np.asarray(method.default_source_prior(kept), np.float64))
+        kept = GlobalState(kept.weights, kept.extras, dict(kept.meta, calibration=identity.to_dict()))
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")

@@ -180,3 +180,25 @@ def test_a_diverging_run_stops_with_a_clear_error_and_writes_no_model(tmp_path, 
         train(smoke_cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "final.pt").exists()
     assert not (tmp_path / "run" / "report.json").exists()
+
+
+# ---------------------------------------------------------------- the prior a class-weighted model describes
+def test_dafl_posteriors_describe_the_loss_weighted_prior(smoke_cfg):
+    from tafl.training.simulator import make_method, prepare
+
+    smoke_cfg.method, smoke_cfg.dafl_scale = "dafl", "mean"
+    prep = prepare(smoke_cfg)
+    counts = {str(k): [float(v) for v in row] for k, row in enumerate(prep.client_counts)}
+    state = GlobalState({}, {"global_counts": torch.tensor(prep.train_counts, dtype=torch.float32)},
+                        {"client_counts": counts})
+    train_mix = prep.train_counts / prep.train_counts.sum()
+    for lam, loss in ((0.0, "dafl"), (0.5, "dafl"), (0.5, "ce")):
+        smoke_cfg.dafl_lambda, smoke_cfg.loss = lam, loss
+        src = make_method(smoke_cfg, prep.model_cfg, prep.dataset.preprocess).default_source_prior(state)
+        assert src.sum() == pytest.approx(1.0)
+        if loss == "ce":
+            assert src == pytest.approx(train_mix)  # an unweighted loss: the training mix
+        elif lam == 0.0:
+            assert src == pytest.approx(np.full(len(src), 1 / len(src)), abs=1e-6)  # balanced weights: uniform
+        else:  # between the two, and flatter than the training mix
+            assert src.max() < train_mix.max() and src.min() > train_mix.min()

@@ -211,6 +211,25 @@ class DAFL(Method):
         meta["gamma_history"] = list(meta.get("gamma_history", [])) + [gamma]
         return GlobalState(weights, extras, meta)
 
+    def default_source_prior(self, state: GlobalState) -> np.ndarray:
+        """The prior the uncalibrated posteriors describe. A class-weighted loss trains the model as if class t
+        were w_t times as frequent, so its softmax describes the loss-weighted class mix Σ_k n_{k,t}·w_{k,t}
+        (for the balanced weights, the uniform prior), not the training counts; focal and CE keep the counts."""
+        table = state.meta.get("client_counts") or {}
+        if self.cfg.loss != "dafl" or not table:
+            return super().default_source_prior(state)
+        counts = torch.tensor([table[k] for k in sorted(table, key=int)], dtype=torch.float32)  # (K, C)
+        c_f = class_imbalance(counts)
+        c_ks = [client_imbalance(row) for row in counts]
+        mean_c_k, norm = float(np.mean(c_ks)), class_normaliser(counts)
+        mass = torch.zeros(counts.shape[1], dtype=torch.float64)
+        for row, c_k in zip(counts, c_ks):
+            w = 1 + loss_coefficients(c_k, c_f, self.cfg.dafl_lambda, self.cfg.dafl_scale, mean_c_k, norm)
+            mass += row.to(torch.float64) * w.clamp_min(0).to(torch.float64)
+        if not float(mass.sum()) > 0:
+            return super().default_source_prior(state)
+        return (mass / mass.sum()).numpy()
+
     def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
         return {"loss": self.cfg.loss, "aggregation": self.cfg.aggregation, "dafl_scale": self.cfg.dafl_scale,
                 "class_weights_last_round": state.meta.get("class_weights"),
