@@ -14,6 +14,11 @@ Back-pressure: at most `max_queue` instances wait in the spool; past that a C-ST
 0xA700 (Refused: out of resources), which a sender treats as "retry later". Non-image objects (SR,
 presentation states, ...) are acknowledged and not classified.
 
+Size: pynetdicom gathers a message's P-DATA in memory before the C-STORE handler sees it, so the
+listener counts each association's bytes as they arrive (EVT_DATA_RECV, one PDU at a time) and aborts
+the association (A-ABORT) once a message in flight passes TAFL_MAX_UPLOAD_MB plus 1 MiB of headers:
+memory stays bounded by the cap per association (at most 16), whatever a sender streams.
+
 The same code path as the service: the upload decoder with the service's limits (TAFL_MAX_UPLOAD_MB,
 TAFL_MAX_PIXELS, TAFL_MAX_FRAMES; compressed DICOM in decoder processes, tafl.serving.decoding), the
 package's preprocessing, its ONNX graph, and the service's per-frame result (frame 0 is reported, as in
@@ -160,7 +165,10 @@ class Listener:
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
         self._server = None
-        self.stats = {"received": 0, "refused_busy": 0, "classified": 0, "delivered": 0, "skipped": 0, "failed": 0}
+        self.stats = {"received": 0, "refused_busy": 0, "refused_too_large": 0, "classified": 0, "delivered": 0,
+                      "skipped": 0, "failed": 0}
+        self.max_message_bytes = s.max_upload_bytes + (1 << 20)  # the dataset, and its command set and PDU headers
+        self._inflight: dict[int, int] = {}  # id(association) -> bytes of the message being received
         _quiet_libraries()
 
     # ---------------------------------------------------------------- the SCP side
@@ -192,6 +200,30 @@ class Listener:
     @staticmethod
     def _on_echo(event) -> int:
         return SUCCESS
+
+    def _on_data(self, event) -> None:
+        """Every PDU received: add it to its association's message in flight; past the cap, abort."""
+        key = id(event.assoc)
+        with self._lock:
+            total = self._inflight.get(key, 0) + len(event.data)
+            self._inflight[key] = total
+            over = total > self.max_message_bytes >= total - len(event.data)  # the PDU that crossed the cap
+            if over:
+                self.stats["refused_too_large"] += 1
+        if over:
+            a = event.assoc.requestor
+            log.warning("association from %s (%s:%s) aborted: a message passed %d MiB (TAFL_MAX_UPLOAD_MB) before it "
+                        "ended", a.ae_title, a.address, a.port, self.max_message_bytes >> 20)
+            event.assoc.abort(block=False)
+
+    def _on_message(self, event) -> None:
+        """A whole DIMSE message decoded: the next one starts from zero."""
+        with self._lock:
+            self._inflight[id(event.assoc)] = 0
+
+    def _on_closed(self, event) -> None:
+        with self._lock:
+            self._inflight.pop(id(event.assoc), None)
 
     @staticmethod
     def _on_assoc(event) -> None:
@@ -308,7 +340,8 @@ class Listener:
         ae.maximum_associations = 16
         handlers = [(evt.EVT_C_STORE, self._on_store), (evt.EVT_C_ECHO, self._on_echo),
                     (evt.EVT_ACCEPTED, self._on_assoc), (evt.EVT_REJECTED, self._on_assoc),
-                    (evt.EVT_ABORTED, self._on_abort)]
+                    (evt.EVT_ABORTED, self._on_abort), (evt.EVT_DATA_RECV, self._on_data),
+                    (evt.EVT_DIMSE_RECV, self._on_message), (evt.EVT_CONN_CLOSE, self._on_closed)]
         try:
             self._server = ae.start_server((self.host, self.port), block=False, evt_handlers=handlers)
         except OSError as exc:

@@ -181,3 +181,39 @@ def test_folder_destination_retired_classes_and_non_images(gtafl_pkg, tmp_path):
     refs = {pydicom.dcmread(f).CurrentRequestedProcedureEvidenceSequence[0].ReferencedSeriesSequence[0]
             .ReferencedSOPSequence[0].ReferencedSOPClassUID for f in files}
     assert len(files) == 2 and "1.2.840.10008.5.1.4.1.1.6" in refs
+
+
+@pytest.mark.slow
+def test_a_message_past_the_upload_cap_aborts_its_association_before_it_is_held(gtafl_pkg, tmp_path, monkeypatch):
+    """A sender streaming a dataset larger than TAFL_MAX_UPLOAD_MB is cut off (A-ABORT) while the bytes arrive:
+    the message is never gathered whole, nothing is spooled, and the listener serves the next sender."""
+    from pynetdicom import AE
+
+    from tafl.serving.app import Settings
+    from tafl.serving.dicom_listener import Destination, Listener
+
+    monkeypatch.setenv("TAFL_MAX_UPLOAD_MB", "1")
+    port = free_port()
+    lst = Listener(gtafl_pkg, Destination(folder=tmp_path / "out"), port=port, spool=tmp_path / "spool",
+                   workers=1, settings=Settings.from_env())
+    assert lst.max_message_bytes == 2 << 20
+    lst.start()
+    try:
+        big, small = instances(SOURCES[:1], 2, seed="cap" + str(tmp_path))
+        big.PixelData = b"\x00\x01" * (3 << 20)  # 6 MiB on the wire
+        ae = AE(ae_title="BIG")
+        ae.add_requested_context(big.SOPClassUID, big.file_meta.TransferSyntaxUID)
+        assoc = ae.associate("127.0.0.1", port, ae_title="TAFL")
+        assert assoc.is_established
+        status = assoc.send_c_store(big)
+        assert not status  # no response: the association was aborted
+        end = time.monotonic() + 10
+        while assoc.is_established and time.monotonic() < end:  # the A-ABORT arrives on the association's thread
+            time.sleep(0.05)
+        assert not assoc.is_established
+        assert lst.stats["refused_too_large"] == 1 and lst.stats["received"] == 0
+        assert not any((tmp_path / "spool" / "queue").iterdir())
+        stats = send(port, [small], deadline=60)
+        assert stats["acked"] == 1 and lst.stats["received"] == 1
+    finally:
+        lst.stop(drain=False, timeout=10)
