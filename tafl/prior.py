@@ -27,13 +27,14 @@ import numpy as np
 from tafl.errors import ConfigError
 
 PRIOR_TOL = 1e-3  # an explicit prior must sum to 1 within this
-CALIBRATIONS = ("none", "temperature", "bcts")
+CALIBRATIONS = ("none", "temperature", "bcts", "vector")
 
 
 # ------------------------------------------------------------------ calibration
 @dataclass
 class Calibration:
-    """Calibrated logits a·z + b of a model's logits z (a = 1/T), and the prior they describe.
+    """Calibrated logits a·s∘z + b of a model's logits z (a = 1/T; s the per-class scales of vector scaling,
+    mean 1, None for the other kinds), and the prior they describe.
 
     `source_prior` is the class mix of the data the calibration was fitted on (for the identity
     calibration, the training prior). `fit` records how it was fitted (iterations, NLL before and
@@ -45,13 +46,19 @@ class Calibration:
     source_prior: np.ndarray | None = None  # (C,)
     kind: str = "none"
     fit: dict[str, Any] = field(default_factory=dict)
+    class_scale: np.ndarray | None = None  # (C,), mean 1: vector scaling's per-class scales; None = one scale
+
+    @property
+    def scales(self) -> np.ndarray | float:
+        """The multiplier of z: a scalar, or (C,) for vector scaling."""
+        return self.scale if self.class_scale is None else self.scale * self.class_scale
 
     @property
     def temperature(self) -> float:
         return 1.0 / self.scale
 
     def logits(self, z: np.ndarray) -> np.ndarray:
-        z = np.asarray(z, np.float64) * self.scale
+        z = np.asarray(z, np.float64) * self.scales
         return z if self.bias is None else z + self.bias
 
     def probs(self, z: np.ndarray) -> np.ndarray:
@@ -61,6 +68,7 @@ class Calibration:
         return {"kind": self.kind, "temperature": self.temperature, "scale": self.scale,
                 "bias": None if self.bias is None else [float(v) for v in self.bias],
                 "source_prior": None if self.source_prior is None else [float(v) for v in self.source_prior],
+                "class_scale": None if self.class_scale is None else [float(v) for v in self.class_scale],
                 "fit": dict(self.fit)}
 
     @classmethod
@@ -69,13 +77,16 @@ class Calibration:
             return cls()
         bias = None if d.get("bias") is None else np.asarray(d["bias"], np.float64)
         src = None if d.get("source_prior") is None else np.asarray(d["source_prior"], np.float64)
-        for name, v in (("bias", bias), ("source_prior", src)):
+        cs = None if d.get("class_scale") is None else np.asarray(d["class_scale"], np.float64)
+        for name, v in (("bias", bias), ("source_prior", src), ("class_scale", cs)):
             if v is not None and ((num_classes is not None and v.shape != (num_classes,)) or not np.isfinite(v).all()):
                 raise ConfigError(f"calibration {name} must be {num_classes} finite numbers, got {v.tolist()}")
         scale = float(d.get("scale", 1.0 / float(d.get("temperature", 1.0))))
         if not math.isfinite(scale) or scale <= 0:
             raise ConfigError(f"calibration temperature must be positive and finite, got {1 / scale if scale else scale}")
-        return cls(scale, bias, src, str(d.get("kind", "none")), dict(d.get("fit", {})))
+        if cs is not None and not (cs > 0).all():
+            raise ConfigError(f"calibration class_scale must be positive, got {cs.tolist()}")
+        return cls(scale, bias, src, str(d.get("kind", "none")), dict(d.get("fit", {})), cs)
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -85,23 +96,36 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def nll_stats(z: np.ndarray, labels: np.ndarray, scale: float, bias: np.ndarray | None,
+def n_params(kind: str, num_classes: int) -> int:
+    """θ's length: the scale (temperature); the scale and C biases (BCTS); C scales and C biases (vector)."""
+    return {"temperature": 1, "bcts": 1 + num_classes, "vector": 2 * num_classes}[kind]
+
+
+def nll_stats(z: np.ndarray, labels: np.ndarray, scale: float | np.ndarray, bias: np.ndarray | None,
               kind: str) -> dict[str, np.ndarray]:
     """What one client sends for a Newton step of the calibration: sums over its held-out images of
-    the NLL of softmax(a·z + b), its gradient and Hessian in θ = (a, b) (b only for BCTS), and the
-    class counts. Sums, so the server's totals are exactly those of the pooled images."""
+    the NLL of softmax(a·z + b) (a a scalar, or one per class for vector scaling), its gradient and
+    Hessian in θ (temperature: a; BCTS: a, b; vector: a_1..a_C, b), and the class counts. Sums, so
+    the server's totals are exactly those of the pooled images."""
     z = np.asarray(z, np.float64)
     labels = np.asarray(labels, np.int64)
     n, C = z.shape
     b = np.zeros(C) if bias is None else np.asarray(bias, np.float64)
-    u = scale * z + b
+    u = np.asarray(scale, np.float64) * z + b
     p = softmax(u)
     logp = u - u.max(1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
     onehot = np.eye(C)[labels]
     r = p - onehot  # (n, C): ∂NLL/∂u
-    # J_i = ∂u_i/∂θ: column 0 is z_i (the scale), then the identity (the biases)
-    J = z[:, :, None] if kind == "temperature" else np.concatenate([z[:, :, None], np.broadcast_to(np.eye(C), (n, C, C))], 2)
+    # J_i = ∂u_i/∂θ: the scale's column is z_i (vector: diag(z_i)), then the identity (the biases)
+    if kind == "temperature":
+        J = z[:, :, None]
+    elif kind == "bcts":
+        J = np.concatenate([z[:, :, None], np.broadcast_to(np.eye(C), (n, C, C))], 2)
+    elif kind == "vector":
+        J = np.concatenate([z[:, :, None] * np.eye(C)[None], np.broadcast_to(np.eye(C), (n, C, C))], 2)
+    else:
+        raise ConfigError(f"calibration must be one of {CALIBRATIONS[1:]}, got {kind!r}")
     grad = np.einsum("nc,nck->k", r, J)
     cov = p[:, :, None] * (np.eye(C)[None] - p[:, None, :])  # diag(p) − p pᵀ, (n, C, C)
     hess = np.einsum("nck,ncd,ndl->kl", J, cov, J)
@@ -120,37 +144,53 @@ class NewtonCalibrator:
     Each call of `step(totals)` takes the clients' summed statistics at the current θ and returns
     the next θ to evaluate (or None when converged). A step that raised the NLL is taken back and
     the damping raised (Levenberg–Marquardt), so the loop never ends worse than it started.
+
+    Penalties, added on the server: (bias_l2/2)·‖b‖² on the biases and, for vector scaling,
+    (scale_l2/2)·‖a − mean(a)‖² on the per-class scales' spread. With few held-out images of a
+    class its unpenalised bias runs off to where EM later drifts (seen with 72 images of 10 classes).
     """
 
     def __init__(self, num_classes: int, kind: str, max_iter: int = 25, tol: float = 1e-6, ridge: float = 1e-4,
-                 bias_l2: float = 1.0):
-        if kind not in ("temperature", "bcts"):
+                 bias_l2: float = 1.0, scale_l2: float = 1.0):
+        if kind not in CALIBRATIONS[1:]:
             raise ConfigError(f"calibration must be one of {CALIBRATIONS}, got {kind!r}")
         self.C, self.kind, self.max_iter, self.tol, self.ridge = num_classes, kind, max_iter, tol, ridge
-        # an L2 penalty (bias_l2/2)·‖b‖² on the biases, added on the server: with few held-out images of a class
-        # its unpenalised bias runs off to where EM later drifts (seen with 72 images of 10 classes)
-        self.bias_l2 = bias_l2 if kind == "bcts" else 0.0
-        self.theta = np.zeros(1 if kind == "temperature" else 1 + num_classes)
-        self.theta[0] = 1.0
+        self.bias_l2 = bias_l2 if kind != "temperature" else 0.0
+        self.scale_l2 = scale_l2 if kind == "vector" else 0.0
+        self.n_scales = num_classes if kind == "vector" else 1
+        self.theta = np.zeros(n_params(kind, num_classes))
+        self.theta[: self.n_scales] = 1.0
         self.best: tuple[float, np.ndarray, dict[str, np.ndarray]] | None = None
         self.damping = 1e-3
         self.iterations = 0
         self.nll_start: float | None = None
 
-    def params(self, theta: np.ndarray | None = None) -> tuple[float, np.ndarray | None]:
+    def params(self, theta: np.ndarray | None = None) -> tuple[float | np.ndarray, np.ndarray | None]:
+        """(scale, bias) for `nll_stats`: the scale is one number, or C for vector scaling."""
         t = self.theta if theta is None else theta
-        return float(t[0]), None if self.kind == "temperature" else t[1:] - t[1:].mean()
+        k = self.n_scales
+        scale = float(t[0]) if k == 1 else t[:k].copy()
+        return scale, None if self.kind == "temperature" else t[k:] - t[k:].mean()
 
     def _penalised(self, totals: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if not self.bias_l2:
+        if not (self.bias_l2 or self.scale_l2):
             return totals
-        b = self.theta[1:]
-        g, H = totals["grad"].copy(), totals["hess"].copy()
-        g[1:] += self.bias_l2 * b
-        H[1:, 1:] += self.bias_l2 * np.eye(self.C)
-        return dict(totals, nll=totals["nll"] + 0.5 * self.bias_l2 * float(b @ b), grad=g, hess=H)
+        k = self.n_scales
+        g, H, nll = totals["grad"].copy(), totals["hess"].copy(), float(totals["nll"][0])
+        if self.bias_l2:
+            b = self.theta[k:]
+            g[k:] += self.bias_l2 * b
+            H[k:, k:] += self.bias_l2 * np.eye(self.C)
+            nll += 0.5 * self.bias_l2 * float(b @ b)
+        if self.scale_l2:
+            d = self.theta[:k] - self.theta[:k].mean()
+            P = np.eye(k) - np.ones((k, k)) / k  # the gradient of ½‖a − ā‖² is P·a
+            g[:k] += self.scale_l2 * d
+            H[:k, :k] += self.scale_l2 * P
+            nll += 0.5 * self.scale_l2 * float(d @ d)
+        return dict(totals, nll=np.array([nll]), grad=g, hess=H)
 
-    def step(self, totals: dict[str, np.ndarray]) -> tuple[float, np.ndarray | None] | None:
+    def step(self, totals: dict[str, np.ndarray]) -> tuple[float | np.ndarray, np.ndarray | None] | None:
         self.iterations += 1
         totals = self._penalised(totals)
         nll = float(totals["nll"][0])
@@ -173,11 +213,12 @@ class NewtonCalibrator:
         g, H = totals["grad"], totals["hess"]
         n = max(float(totals["n"][0]), 1.0)
         A = H / n + (self.damping + self.ridge) * np.eye(len(g))
-        if self.kind == "bcts":  # the biases are defined up to a common shift: keep them zero-sum
-            A[1:, 1:] += np.ones((self.C, self.C)) / self.C
+        k = self.n_scales
+        if self.kind != "temperature":  # the biases are defined up to a common shift: keep them zero-sum
+            A[k:, k:] += np.ones((self.C, self.C)) / self.C
         delta = np.linalg.solve(A, -g / n)
         new = self.theta + delta
-        new[0] = max(new[0], 1e-3)  # a positive scale
+        new[:k] = np.maximum(new[:k], 1e-3)  # positive scales
         self.theta = new
         if float(np.abs(delta).max()) < 1e-7:
             return None
@@ -187,18 +228,24 @@ class NewtonCalibrator:
         assert self.best is not None
         nll, theta, totals = self.best
         scale, bias = self.params(theta)
+        class_scale = None
+        if self.kind == "vector":
+            a = np.asarray(scale, np.float64)
+            scale, class_scale = float(a.mean()), a / a.mean()
         n = float(totals["n"][0])
-        return Calibration(scale, bias, np.asarray(source_prior, np.float64), self.kind,
+        return Calibration(float(scale), bias, np.asarray(source_prior, np.float64), self.kind,
                            {"iterations": self.iterations, "images": int(n),
-                            "nll_before": (self.nll_start or nll) / max(n, 1), "nll_after": nll / max(n, 1)})
+                            "nll_before": (self.nll_start or nll) / max(n, 1), "nll_after": nll / max(n, 1)},
+                           class_scale)
 
 
-def fit_calibration(z: np.ndarray, labels: np.ndarray, kind: str = "bcts", max_iter: int = 25) -> Calibration:
+def fit_calibration(z: np.ndarray, labels: np.ndarray, kind: str = "bcts", max_iter: int = 25,
+                    bias_l2: float = 1.0, scale_l2: float = 1.0) -> Calibration:
     """The same fit on pooled logits (one 'client'): what the federated fit must equal."""
     num_classes = z.shape[1]
     if kind == "none":
         return Calibration(source_prior=np.bincount(labels, minlength=num_classes) / max(len(labels), 1))
-    cal = NewtonCalibrator(num_classes, kind, max_iter)
+    cal = NewtonCalibrator(num_classes, kind, max_iter, bias_l2=bias_l2, scale_l2=scale_l2)
     params = cal.params()
     while params is not None:
         params = cal.step(nll_stats(z, labels, *params, kind))

@@ -72,7 +72,8 @@ class _Features(nn.Module):
 
 
 class _PriorAdaptation(nn.Module):
-    """The prior-aware outputs (tafl.prior): calibrated posteriors softmax(a·z + b + r) for the graph's optional
+    """The prior-aware outputs (tafl.prior): calibrated posteriors softmax(a·z + b + r) (a one scale, or one per
+    class for vector scaling; z log-probabilities) for the graph's optional
     input r = `log_prior_ratio` (log q − log π per class; (1, C) for the whole batch or (N, C) per image;
     default zeros). Where a row of r is 0 the outputs are the model's plain ones; where it is not, `label` and
     `probs` are the Bayes rule for that row's prior q, so the vote and the probabilities a caller reads follow the prior it gave."""
@@ -80,7 +81,10 @@ class _PriorAdaptation(nn.Module):
     def __init__(self, calibration: dict[str, Any] | None, num_classes: int):
         super().__init__()
         calibration = calibration or {"scale": 1.0, "bias": [0.0] * num_classes}
-        self.register_buffer("scale", torch.tensor(float(calibration["scale"]), dtype=torch.float32))
+        scale = float(calibration["scale"])
+        class_scale = calibration.get("class_scale")
+        scale = torch.tensor(scale) if class_scale is None else scale * torch.tensor(class_scale, dtype=torch.float64)
+        self.register_buffer("scale", scale.to(torch.float32))
         self.register_buffer("bias", torch.tensor(calibration["bias"], dtype=torch.float32))
 
     def forward(self, z: torch.Tensor, r: torch.Tensor | None, label: torch.Tensor, probs: torch.Tensor):
@@ -127,7 +131,9 @@ class SingleHeadGraph(nn.Module):
     def forward(self, image: torch.Tensor, log_prior_ratio: torch.Tensor | None = None):
         feats, aux = self.feats(image)
         logits = self.head(feats)
-        label, probs, calibrated = self.prior(logits, log_prior_ratio, logits.argmax(dim=1),
+        # log-probabilities, as in training's calibration (tafl.training.methods.base.posterior_logits): one scale
+        # cannot tell them from the logits, per-class scales can
+        label, probs, calibrated = self.prior(torch.log_softmax(logits, dim=1), log_prior_ratio, logits.argmax(dim=1),
                                               torch.softmax(logits, dim=1))
         heat = self.feats.heatmap(image, aux, self.head.weight[label])
         return label, probs, logits, heat, calibrated
@@ -455,11 +461,12 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
         "outputs": _output_spec(names, len(experts), mcfg.num_classes, pre.size),
         "experts": experts, "vote": vote,
         "prior": {"input": "log_prior_ratio", "shape": ["1 or batch", C], "dtype": "float32", "default": "zeros",
-                  "rule": "label = argmax softmax(scale·z + bias + log q − log source_prior) when the input is "
-                          "non-zero, else the model's own rule",
+                  "rule": "label = argmax softmax(scale·class_scale·z + bias + log q − log source_prior) when the "
+                          "input is non-zero, else the model's own rule (class_scale: null = 1)",
                   "posteriors": calibration["posteriors"], "calibration": calibration["kind"],
                   "temperature": calibration["temperature"], "scale": calibration["scale"],
-                  "bias": calibration["bias"], "source_prior": calibration["source_prior"],
+                  "bias": calibration["bias"], "class_scale": calibration.get("class_scale"),
+                  "source_prior": calibration["source_prior"],
                   "fit": calibration.get("fit", {})},
         "heatmap": "attention rollout of the shared extractor" if mcfg.is_vit else
                    "class activation map of the predicted class",

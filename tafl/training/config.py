@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -119,10 +120,12 @@ class RunConfig:
     simclr_proj_dim: int = 128  # projection head output size
     # --- calibration and prior-aware inference (tafl.prior) ---
     # calibration fitted federatedly after training, on the clients' held-out rows (only NLL sums, gradients and
-    # Hessians of 1 + C numbers leave a client): none | temperature | bcts (temperature and per-class biases)
+    # Hessians of at most 2C numbers leave a client): none | temperature | bcts (temperature and per-class biases) |
+    # vector (per-class scales and biases; docs/decisions.md §2.5)
     calibration: str = "none"
     calib_holdout: float = 0.0  # share of every client's rows held out of training for the calibration; 0: none
     calib_rounds: int = 25  # calibration Newton rounds at most
+    calib_l2: float = 1.0  # L2 penalty on the biases and on the spread of vector scaling's per-class scales
     # GTAFL: the posteriors calibration and prior estimation use: experts (mean of the experts' log-probabilities)
     # | uniform (the uniform expert's) ; the voted label stays the rule without a prior
     calib_source: str = "experts"
@@ -282,8 +285,10 @@ class RunConfig:
             raise bad("gamma_init", f"must be in [0, gamma_max={self.gamma_max}]")
         if self.folder_frames not in ("each", "refuse"):
             raise bad("folder_frames", "choose each or refuse")
-        if self.calibration not in ("none", "temperature", "bcts"):
-            raise bad("calibration", "choose none, temperature or bcts")
+        if self.calibration not in ("none", "temperature", "bcts", "vector"):
+            raise bad("calibration", "choose none, temperature, bcts or vector")
+        if not (math.isfinite(self.calib_l2) and self.calib_l2 >= 0):
+            raise bad("calib_l2", "must be a finite number >= 0")
         if not 0 <= self.calib_holdout < 0.5:
             raise bad("calib_holdout", "must be in [0, 0.5)")
         if self.calibration != "none" and self.calib_holdout <= 0:

@@ -440,11 +440,12 @@ def _calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Ru
     that answer the first round are the calibration set; a later round missing one of them ends the fit at the
     best point so far. The source prior is the pooled held-out rows' class mix."""
     from tafl.prior import NewtonCalibrator, sum_stats
+    from tafl.prior import n_params as prior_n_params
 
     t_start = time.perf_counter()
     C = int(method.model_cfg.num_classes)
-    cal = NewtonCalibrator(C, cfg.calibration, cfg.calib_rounds)
-    n_params = 1 if cfg.calibration == "temperature" else 1 + C
+    cal = NewtonCalibrator(C, cfg.calibration, cfg.calib_rounds, bias_l2=cfg.calib_l2, scale_l2=cfg.calib_l2)
+    n_params = prior_n_params(cfg.calibration, C)
     ids = list(range(transport.num_clients))
     payload = method.broadcast(state)
     round_id = cfg.rounds + 2  # after the finishing round's rounds + 1
@@ -454,6 +455,7 @@ def _calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Ru
     dropped: set[int] = set()
     while params is not None:
         scale, bias = params
+        scale = float(scale) if np.ndim(scale) == 0 else [float(v) for v in scale]  # JSON for Flower
         round_cfg = {"round": round_id, "seed": cfg.seed, "calibrate": cfg.calibration, "scale": scale,
                      "bias": None if bias is None else [float(v) for v in bias]}
         results, cost = transport.train(ids, payload, round_cfg)

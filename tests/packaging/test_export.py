@@ -200,3 +200,30 @@ def test_bentoml_store_round_trip(tmp_path, gtafl_pkg, monkeypatch):
     assert back.version == "1.0.0" and back.class_names == pkg.class_names
     with pytest.raises(PackageError, match="no model"):
         from_bentoml("nope:1")
+
+
+@pytest.mark.parametrize("which", ["gtafl", "dafl"])
+def test_a_vector_scaling_calibration_is_applied_in_the_graph(which, request, tmp_path):
+    """Per-class scales (calibration `vector`) reach the graph: its calibrated_probs are tafl.prior's
+    softmax(a·s∘z + b) of the posteriors' log-probabilities (GTAFL: the experts' mean), read from its own outputs."""
+    from tafl.prior import Calibration
+
+    ck = load_checkpoint(request.getfixturevalue(f"{which}_run") / "final.pt")
+    C = len(ck["class_names"])
+    cal = Calibration(0.8, np.linspace(-0.3, 0.3, C), np.full(C, 1.0 / C), "vector", {}, np.linspace(0.5, 1.5, C))
+    ck["state"]["meta"]["calibration"] = cal.to_dict()
+    path = save_checkpoint({k: v for k, v in ck.items() if k not in ("format", "version")}, tmp_path / "vec.pt")
+    pkg = export_checkpoint(path, tmp_path / "pkg_vec", name=f"vec-{which}")
+    meta = pkg.metadata["prior"]
+    assert meta["calibration"] == "vector" and meta["class_scale"] == pytest.approx(cal.class_scale.tolist())
+    got = pkg.run(pkg.session(providers=["CPUExecutionProvider"]), pkg.preprocess.normalize(_real_images(ck, 16)))
+    if which == "gtafl":
+        z = np.log(got["expert_probs"].astype(np.float64)).mean(1)
+    else:
+        lg = got["logits"].astype(np.float64)
+        z = lg - lg.max(1, keepdims=True)
+        z = z - np.log(np.exp(z).sum(1, keepdims=True))
+    want = cal.probs(z)
+    assert np.abs(got["calibrated_probs"] - want).max() < 1e-4
+    # the per-class scales matter: one scale alone gives other posteriors
+    assert np.abs(Calibration(0.8, cal.bias).probs(z) - want).max() > 1e-2

@@ -52,15 +52,15 @@ def test_bad_calibration_statistics_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["fedavg", "gtafl"])
-def test_the_federated_fit_equals_the_pooled_fit_on_the_clients_held_out_rows(tmp_path, method):
-    over = {"calibration": "bcts", "calib_holdout": 0.2, "adapt_draws": 2, "adapt_sizes": "50,200"}
+@pytest.mark.parametrize("method, kind", [("fedavg", "bcts"), ("gtafl", "bcts"), ("fedavg", "vector")])
+def test_the_federated_fit_equals_the_pooled_fit_on_the_clients_held_out_rows(tmp_path, method, kind):
+    over = {"calibration": kind, "calib_holdout": 0.2, "adapt_draws": 2, "adapt_sizes": "50,200"}
     if method == "gtafl":
         over.update(SMOKE_GTAFL, cl=False)
     cfg = load_config(CONFIGS / "smoke.yaml", over)
     report = train(cfg, tmp_path / "run", progress=False)
     fed = report["prior_adaptation"]["calibration"]
-    assert fed["kind"] == "bcts" and fed["fit"]["nll_after"] <= fed["fit"]["nll_before"]
+    assert fed["kind"] == kind and fed["fit"]["nll_after"] <= fed["fit"]["nll_before"]
     # the same fit on the pooled held-out rows, which no client ever sent
     prep = prepare(cfg)
     rows = np.concatenate(prep.holdouts)
@@ -70,9 +70,12 @@ def test_the_federated_fit_equals_the_pooled_fit_on_the_clients_held_out_rows(tm
     m = make_method(cfg, prep.model_cfg, prep.dataset.preprocess)
     state = GlobalState.from_dict(ck["state"])
     z = m.calibration_logits(m.broadcast(state), torch.from_numpy(prep.train.images[rows]))
-    pooled = fit_calibration(z, prep.train.labels[rows], "bcts", cfg.calib_rounds)
+    pooled = fit_calibration(z, prep.train.labels[rows], kind, cfg.calib_rounds)
     assert fed["temperature"] == pytest.approx(pooled.temperature, rel=1e-6)
     assert np.allclose(fed["bias"], pooled.bias, atol=1e-6)
+    if kind == "vector":  # C per-class scales, as JSON in the round config (the Flower path carries the same)
+        assert np.allclose(fed["class_scale"], pooled.class_scale, atol=1e-6)
+        assert np.ptp(fed["class_scale"]) > 1e-3
     assert np.allclose(fed["source_prior"], np.bincount(prep.train.labels[rows], minlength=10) / len(rows))
     assert report["communication"]["uplink_bytes"] > 0
     # every distribution reports the adapted, the oracle and the calibrated rule, with the estimate's error

@@ -198,7 +198,7 @@ class Method:
             self._calib_cache = {k: v for k, v in self._calib_cache.items() if k[1] == key[1]}
             self._calib_cache[key] = z
         bias = round_cfg.get("bias")
-        stats = prior.nll_stats(z, data.labels[rows].numpy(), float(round_cfg["scale"]),
+        stats = prior.nll_stats(z, data.labels[rows].numpy(), np.asarray(round_cfg["scale"], np.float64),
                                 None if bias is None else np.asarray(bias, np.float64), round_cfg["calibrate"])
         return ClientResult(data.client_id, len(rows), {}, {f"calib_{k}": torch.from_numpy(np.asarray(v, np.float64))
                                                             for k, v in stats.items()}, {"calibration": 1.0})
