@@ -14,7 +14,6 @@ Writes benchmarks/results/<name>.{json,md}. The validation columns are in-sample
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
@@ -70,16 +69,60 @@ def candidates(method, state, ds, cfg) -> dict[str, dict[str, tuple[np.ndarray, 
     return res
 
 
+def whole_split_estimate(probs: np.ndarray, labels: np.ndarray, target: np.ndarray, source: np.ndarray,
+                         iters: int = 500) -> np.ndarray:
+    """EM's limit for n → ∞: the estimate from the whole split with every image weighted so the class mix is
+    `target`. What is left of its error is bias (calibration), not the sampling of n images."""
+    C = probs.shape[1]
+    cnt = np.bincount(labels, minlength=C)
+    w = np.where(cnt > 0, target / np.maximum(cnt, 1), 0.0)[labels]
+    w = w / w.sum()
+    ratio, q = probs / source, source.copy()
+    for _ in range(iters):
+        post = ratio * q
+        post /= post.sum(1, keepdims=True)
+        q = (w[:, None] * post).sum(0)
+    return q
+
+
+def out_of_fold(z: np.ndarray, labels: np.ndarray, kind: str, src0: np.ndarray, folds: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """Calibrated posteriors of every validation image from a calibration fitted on the other folds (stratified),
+    all mapped to the split's class mix: how a calibration fitted on this split does on images it has not seen.
+    The selection among calibrations reads these, never the test split."""
+    C = z.shape[1]
+    rng = np.random.default_rng(0)
+    fold = np.zeros(len(labels), int)
+    for c in range(C):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        fold[idx] = np.arange(len(idx)) % folds
+    common = src0 if kind == "none" else np.bincount(labels, minlength=C) / len(labels)
+    out = np.zeros(z.shape)
+    for f in range(folds):
+        tr = fold != f
+        cal = Calibration(source_prior=src0) if kind == "none" else fit_calibration(z[tr], labels[tr], kind)
+        p = cal.probs(z[~tr]) * common / np.clip(cal.source_prior, 1e-12, None)
+        out[~tr] = p / p.sum(1, keepdims=True)
+    return out, common
+
+
+CALIBRATIONS = {"none": "none", "BCTS on validation": "bcts", "vector on validation": "vector"}
+
+
 def main() -> None:
+    from tafl.prior import total_variation
+    from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
+
     p = argparse.ArgumentParser()
     p.add_argument("runs", nargs="+")
     p.add_argument("--data-root", default=None)
     p.add_argument("--name", default="prior_offline")
     p.add_argument("--draws", type=int, default=5)
     p.add_argument("--only", default="", help="comma-separated candidate names to keep (default: all)")
-    p.add_argument("--estimators", default="", help=f"comma-separated estimators to keep (of {', '.join(ESTIMATORS)})")
+    p.add_argument("--estimators", default="EM", help=f"comma-separated estimators (of {', '.join(ESTIMATORS)})")
+    p.add_argument("--calibrations", default=",".join(CALIBRATIONS),
+                   help=f"comma-separated calibrations (of {', '.join(CALIBRATIONS)})")
     a = p.parse_args()
-    rows: dict[tuple[str, str], list[dict]] = {}
+    rows: dict[tuple[str, str, str], list[dict]] = {}
     t0 = time.perf_counter()
     for run in a.runs:
         ck = load_checkpoint(Path(run) / "final.pt")
@@ -93,58 +136,80 @@ def main() -> None:
         method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
         state = GlobalState.from_dict(ck["state"])
         ranks = np.asarray(ck["class_ranks"])
-        counts = np.asarray(ck["train_class_counts"], np.float64)
-        C = len(counts)
+        C = len(ck["class_names"])
         keep = [c.strip() for c in a.only.split(",") if c.strip()]
         keep_est = [c.strip() for c in a.estimators.split(",") if c.strip()]
+        keep_cal = [c.strip() for c in a.calibrations.split(",") if c.strip()]
         for cand, splits in candidates(method, state, ds, cfg).items():
             if keep and not any(cand.startswith(k) for k in keep):
                 continue
             zv, _, kind = splits["val"]
-            src = counts / counts.sum() if kind == "train" else np.full(C, 1.0 / C)
-            cals = {"none": Calibration(source_prior=src), "BCTS on validation": fit_calibration(zv, ds.val.labels, "bcts")}
-            for (cal_name, cal), (est_name, make_est) in itertools.product(cals.items(), ESTIMATORS.items()):
-                if keep_est and est_name not in keep_est:
-                    continue
-                entry = {"run": str(run), "temperature": cal.temperature}
-                estimate = make_est(cal.probs(zv), ds.val.labels, cal.source_prior)
-                for split, labels in (("val", ds.val.labels), ("test", ds.test.labels)):
-                    z, plain, _ = splits[split]
-                    probs = cal.probs(z)
-                    acc = adaptation_accuracies(probs, labels, ranks, cal.source_prior, [100, 500], a.draws, 0,
-                                                estimate=estimate)
-                    plain_acc = adaptation_accuracies(np.eye(C)[plain], labels, ranks, np.full(C, 1.0 / C), [1], 1, 0)
-                    av = acc["average"]
-                    gaps = [d["oracle"] - d["adaptive"]["500"]["accuracy"] for d in acc["distributions"].values()]
-                    entry[split] = {"plain": plain_acc["average"]["calibrated"], "calibrated": av["calibrated"],
-                                    "oracle": av["oracle"], "adaptive_100": av["adaptive_100"],
-                                    "adaptive_500": av["adaptive_500"], "tv_500": av["tv_500"],
-                                    "max_gap_500": max(gaps),
-                                    "uniform": acc["distributions"]["uniform"]["adaptive"]["500"]["accuracy"],
-                                    "backward50_100": acc["distributions"]["backward50"]["adaptive"]["100"]["accuracy"],
-                                    "backward50_calibrated": acc["distributions"]["backward50"]["calibrated"]}
-                rows.setdefault((cand, cal_name, est_name), []).append(entry)
+            # the prior the uncalibrated posteriors describe (a class-weighted DAFL loss: the loss-weighted mix)
+            src = np.asarray(method.default_source_prior(state), np.float64) if kind == "train" else np.full(C, 1 / C)
+            for cal_name in keep_cal:
+                ckind = CALIBRATIONS[cal_name]
+                cal = Calibration(source_prior=src) if ckind == "none" else fit_calibration(zv, ds.val.labels, ckind)
+                oof, oof_src = out_of_fold(zv, ds.val.labels, ckind, src)
+                for est_name in keep_est:
+                    make_est = ESTIMATORS[est_name]
+                    entry = {"run": str(run), "temperature": cal.temperature}
+                    estimate = make_est(cal.probs(zv), ds.val.labels, cal.source_prior)
+                    o = adaptation_accuracies(oof, ds.val.labels, ranks, oof_src, [500], a.draws, 0,
+                                              estimate=make_est(oof, ds.val.labels, oof_src))["average"]
+                    entry["val_oof"] = {"adaptive_500": o["adaptive_500"], "oracle": o["oracle"], "tv_500": o["tv_500"]}
+                    for split, labels in (("val", ds.val.labels), ("test", ds.test.labels)):
+                        z, plain, _ = splits[split]
+                        probs = cal.probs(z)
+                        acc = adaptation_accuracies(probs, labels, ranks, cal.source_prior, [100, 500], a.draws, 0,
+                                                    estimate=estimate)
+                        plain_acc = adaptation_accuracies(np.eye(C)[plain], labels, ranks, np.full(C, 1.0 / C), [1], 1, 0)
+                        av, dist = acc["average"], acc["distributions"]
+                        gaps = [d["oracle"] - d["adaptive"]["500"]["accuracy"] for d in dist.values()]
+                        tv_inf = []
+                        for name, k, imf in DISTRIBUTIONS:
+                            t = distribution_prior(ranks, k, imf)
+                            t = np.where(np.bincount(labels, minlength=C) > 0, t, 0)
+                            t = t / t.sum()
+                            tv_inf.append(total_variation(whole_split_estimate(probs, labels, t, cal.source_prior), t))
+                        pd = plain_acc["distributions"]
+                        entry[split] = {"plain": plain_acc["average"]["calibrated"], "calibrated": av["calibrated"],
+                                        "oracle": av["oracle"], "adaptive_100": av["adaptive_100"],
+                                        "adaptive_500": av["adaptive_500"], "tv_500": av["tv_500"],
+                                        "tv_inf": float(np.mean(tv_inf)), "max_gap_500": max(gaps),
+                                        "gaps_500": dict(zip(dist, gaps)),
+                                        "uniform_harm": pd["uniform"]["calibrated"] - dist["uniform"]["adaptive"]["500"]["accuracy"],
+                                        "forward50_harm": pd["forward50"]["calibrated"]
+                                        - dist["forward50"]["adaptive"]["500"]["accuracy"],
+                                        "backward50_100_gain": dist["backward50"]["adaptive"]["100"]["accuracy"]
+                                        - pd["backward50"]["calibrated"]}
+                    rows.setdefault((cand, cal_name, est_name), []).append(entry)
     out = REPO / "benchmarks" / "results"
     (out / f"{a.name}.json").write_text(json.dumps({"runs": a.runs, "rows": {" | ".join(k): v for k, v in rows.items()},
                                                     "seconds": time.perf_counter() - t0}, indent=2))
 
-    def ms(vals):
-        vals = [100 * v for v in vals]
-        return f"{statistics.mean(vals):.2f} ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else f"{vals[0]:.2f}"
+    def ms(vals, pct=True):
+        vals = [100 * v if pct else v for v in vals]
+        f = "{:.2f}" if pct else "{:.3f}"
+        return (f + " ± " + f).format(statistics.mean(vals), statistics.stdev(vals)) if len(vals) > 1 else f.format(vals[0])
 
     lines = [f"# {a.name}", "", f"`python benchmarks/prior_offline.py {' '.join(a.runs)}` — mean of the eleven "
              "prior-weighted accuracies (%), mean ± sd over the runs; `plain` is the model's own decision (GTAFL: "
-             "the vote), `calibrated` the calibrated posterior's argmax, `EM n` the rule adapted to the prior EM "
-             "estimates from n unlabeled images, `oracle` the rule adapted to the true prior; `gap` the largest "
-             "oracle − EM 500 over the eleven distributions.", ""]
+             "the vote), `EM n` the rule adapted to the prior EM estimates from n unlabeled images (`--draws` "
+             "draws), `oracle` the rule adapted to the true prior; `TV 500` / `TV ∞` the estimate's total variation "
+             "from the true prior at n = 500 and from the whole split (its bias); `gap` the largest oracle − EM 500 "
+             "over the eleven; `uni harm` / `F50 harm` what EM 500 loses to the plain rule on the uniform and the "
+             "training-like distribution; `B50 100` what EM at n = 100 gains on backward50. `val OOF`: EM 500 on "
+             "validation with calibrations fitted on the other folds (5-fold), the selection criterion.", ""]
     for split in ("val", "test"):
-        lines += [f"## {split}", "", "| posteriors | calibration | estimator | plain | calibrated | est 100 | est 500 | "
-                  "oracle | TV 500 | gap | B50 est 100 | B50 calibrated |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {split}", "", "| posteriors | calibration | estimator | val OOF EM 500 | plain | EM 100 | EM 500 | "
+                  "oracle | TV 500 | TV ∞ | gap | uni harm | F50 harm | B50 100 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for (cand, cal, est), es in rows.items():
-            g = lambda k: ms([e[split][k] for e in es])  # noqa: E731
-            lines.append(f"| {cand} | {cal} | {est} | {g('plain')} | {g('calibrated')} | {g('adaptive_100')} | "
-                         f"{g('adaptive_500')} | {g('oracle')} | {g('tv_500')} | {g('max_gap_500')} | "
-                         f"{g('backward50_100')} | {g('backward50_calibrated')} |")
+            g = lambda k, pct=True: ms([e[split][k] for e in es], pct)  # noqa: E731
+            lines.append(f"| {cand} | {cal} | {est} | {ms([e['val_oof']['adaptive_500'] for e in es])} | {g('plain')} | "
+                         f"{g('adaptive_100')} | {g('adaptive_500')} | {g('oracle')} | {g('tv_500', False)} | "
+                         f"{g('tv_inf', False)} | {g('max_gap_500')} | {g('uniform_harm')} | {g('forward50_harm')} | "
+                         f"{g('backward50_100_gain')} |")
         lines.append("")
     (out / f"{a.name}.md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -395,3 +395,47 @@ def confusion_prior(probs: np.ndarray, confusion: np.ndarray, source: np.ndarray
             break
         q = new
     return PriorEstimate(q, n, it, converged, total_variation(q, src))
+
+
+# ------------------------------------------------------------------ whether estimation helps this model
+ADAPTIVE_TOLERANCE = 0.01  # the adapted rule may lose this much (1 point) to the plain one on validation
+
+
+def adaptive_check(validation: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Whether `prior=adaptive` should be used for a model, from its training report's validation split
+    (report.json prior_adaptation.validation.average: the calibrated rule and the rule adapted to EM's
+    estimate from n images, means of the eleven distributions). A model whose posteriors are not calibrated
+    for estimation (an uncalibrated class-weighted ViT-DAFL: EM's estimate ends 0.6 TV from the truth and the
+    adapted rule loses 20 points) would be served worse by adapting; then `recommended` is False and `why`
+    says so. None when the report holds no validation numbers (older runs): nothing is known, nothing is
+    blocked."""
+    if not validation:
+        return None
+    sizes = sorted(int(k.split("_")[1]) for k in validation if k.startswith("adaptive_"))
+    if not sizes or validation.get("calibrated") is None:
+        return None
+    n = sizes[-1]
+    plain, adapted = float(validation["calibrated"]), float(validation[f"adaptive_{n}"])
+    ok = adapted >= plain - ADAPTIVE_TOLERANCE
+    out: dict[str, Any] = {"recommended": ok, "images": n, "plain": plain, "adaptive": adapted,
+                           "oracle": validation.get("oracle")}
+    if not ok:
+        out["why"] = (f"on its validation split the rule adapted to an estimate from {n} images lost to the plain "
+                      f"rule ({100 * adapted:.1f} % against {100 * plain:.1f} %, mean of the eleven distributions): "
+                      "its posteriors are not calibrated for estimation; retrain with --calibration vector "
+                      "--calib_holdout 0.1, or give the prior explicitly")
+    return out
+
+
+def adaptive_blocked(prior_meta: dict[str, Any] | None) -> str | None:
+    """Why `prior=adaptive` must fall back to the source prior for a package (its metadata's `prior` section),
+    or None. TAFL_PRIOR_ADAPTIVE=checked (default) follows the package's validation check; =always adapts anyway."""
+    import os
+
+    mode = os.environ.get("TAFL_PRIOR_ADAPTIVE", "checked").strip().lower()
+    if mode not in ("checked", "always"):
+        raise ConfigError(f"TAFL_PRIOR_ADAPTIVE must be checked or always, got {mode!r}")
+    check = (prior_meta or {}).get("adaptive_check") or {}
+    if mode == "always" or check.get("recommended", True):
+        return None
+    return check.get("why") or "the package's validation check advises against prior=adaptive"

@@ -229,3 +229,21 @@ def test_confusion_estimate_shrinks_toward_the_source_and_falls_back_without_ima
     assert empty.images == 0 and np.allclose(empty.prior, src)
     with pytest.raises(ValueError):
         confusion_prior(probs, M[:3, :3], src)
+
+
+def test_the_validation_check_blocks_adaptation_where_it_lost_on_validation(monkeypatch):
+    from tafl.prior import adaptive_blocked, adaptive_check
+
+    assert adaptive_check(None) is None and adaptive_check({"calibrated": 0.5}) is None
+    good = adaptive_check({"calibrated": 0.48, "adaptive_100": 0.40, "adaptive_500": 0.475, "oracle": 0.55})
+    assert good["recommended"] and good["images"] == 500 and "why" not in good  # within the 1-point tolerance
+    bad = adaptive_check({"calibrated": 0.488, "adaptive_100": 0.25, "adaptive_500": 0.252, "oracle": 0.46})
+    assert not bad["recommended"] and "25.2 % against 48.8 %" in bad["why"] and "--calibration vector" in bad["why"]
+    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "checked")
+    assert adaptive_blocked({"adaptive_check": bad}) == bad["why"]
+    assert adaptive_blocked({"adaptive_check": good}) is None and adaptive_blocked({}) is None
+    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "always")
+    assert adaptive_blocked({"adaptive_check": bad}) is None
+    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "sometimes")
+    with pytest.raises(ConfigError, match="checked or always"):
+        adaptive_blocked({})

@@ -398,7 +398,7 @@ def _explicit_ratio(meta: dict[str, Any], prior: str) -> np.ndarray:
 def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Estimate the folder's class mix from every scored row's calibrated posteriors (EM) and rewrite the
     results file, atomically, with each row's decision for that mix beside its plain one."""
-    from tafl.prior import adapt, em_prior
+    from tafl.prior import adapt, adaptive_blocked, em_prior
 
     names = meta["class_names"]
     C = len(names)
@@ -416,7 +416,11 @@ def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
     scored = [r for r in recs if not r.get("error") and all(r.get(c) not in (None, "") for c in cols)]
     P = np.array([[float(r[c]) for c in cols] for r in scored]).reshape(-1, C)
     info: dict[str, Any] = {"requested": "adaptive", "images": len(scored), "source_prior": dict(zip(names, src))}
-    if len(scored) < MIN_ADAPTIVE_IMAGES:
+    blocked = adaptive_blocked(meta.get("prior"))
+    if blocked:
+        q = src
+        info.update(used="train", fallback=blocked)
+    elif len(scored) < MIN_ADAPTIVE_IMAGES:
         q = src
         info.update(used="train", fallback=f"{len(scored)} scored images are too few for an estimate (needs "
                                           f"{MIN_ADAPTIVE_IMAGES}); the adaptive columns repeat the source prior's "

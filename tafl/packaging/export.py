@@ -300,6 +300,17 @@ def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size:
     return [{"name": n, "shape": desc[n][0], "dtype": desc[n][1], "description": desc[n][2]} for n in names]
 
 
+def _adaptive_check(ck_path: Path) -> dict[str, Any] | None:
+    """tafl.prior.adaptive_check of the run's validation split (report.json), or None without one."""
+    from tafl.prior import adaptive_check
+
+    rep = ck_path.parent / "report.json"
+    if not rep.is_file():
+        return None
+    pa = json.loads(rep.read_text()).get("prior_adaptation") or {}
+    return adaptive_check((pa.get("validation") or {}).get("average"))
+
+
 def _metrics_from(ck_path: Path) -> dict[str, Any] | None:
     rep = ck_path.parent / "report.json"
     if not rep.is_file():
@@ -374,7 +385,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
         _to_onnx(graph, x, names, mcfg.num_classes, onnx_path)
         check = _verify_with_prior(graph, onnx_path, x, names)
         metrics = _metrics_from(ck_path)
-        meta = _metadata(ck, mcfg, pre, graph, names, experts, vote, pkg_name, lineage, metrics, check)
+        meta = _metadata(ck, mcfg, pre, graph, names, experts, vote, pkg_name, lineage, metrics, check,
+                         _adaptive_check(ck_path))
         if class_codes is not None:
             meta["class_codes"] = _class_codes(class_codes, meta["class_names"])
         _write_package(tmpd, meta, ck_path, out, signer)
@@ -443,7 +455,7 @@ def _verify_with_prior(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: 
 
 def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.Module, names: tuple[str, ...],
               experts: list, vote: Any, pkg_name: str, lineage: dict[str, Any], metrics: dict[str, Any] | None,
-              check: dict[str, Any]) -> dict[str, Any]:
+              check: dict[str, Any], adaptive: dict[str, Any] | None = None) -> dict[str, Any]:
     """metadata.json: identity and lineage, input and output spec, vote, prior rule, provenance, metrics, checks."""
     C = mcfg.num_classes
     calibration = graph.prior_spec
@@ -467,7 +479,8 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
                   "temperature": calibration["temperature"], "scale": calibration["scale"],
                   "bias": calibration["bias"], "class_scale": calibration.get("class_scale"),
                   "source_prior": calibration["source_prior"],
-                  "fit": calibration.get("fit", {})},
+                  "fit": calibration.get("fit", {}),
+                  "adaptive_check": adaptive},
         "heatmap": "attention rollout of the shared extractor" if mcfg.is_vit else
                    "class activation map of the predicted class",
         "training": {"run_config": ck["run_config"], "round": ck["round"],

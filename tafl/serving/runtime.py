@@ -249,9 +249,13 @@ class PriorMonitor:
     (tafl.prior.em_prior; no image is kept). `add` is cheap and runs on the event loop; the EM runs in its own
     thread every `refresh` images, so estimation never blocks or fails a prediction."""
 
-    def __init__(self, source: np.ndarray, window: int = 500, refresh: int = 50, min_images: int = 100):
+    def __init__(self, source: np.ndarray, window: int = 500, refresh: int = 50, min_images: int = 100,
+                 blocked: str | None = None):
         from collections import deque
 
+        # why prior=adaptive must not decide for this model (tafl.prior.adaptive_check); the estimate is still kept
+        # and exported as the case-mix drift signal
+        self.blocked = blocked
         self.source = source / source.sum()
         self.window, self.refresh, self.min_images = max(1, window), max(1, refresh), max(1, min_images)
         self.rows: deque = deque(maxlen=self.window)
@@ -293,6 +297,8 @@ class PriorMonitor:
         """(the estimated prior or None, images behind it, why it is not used)."""
         with self.lock:
             est = self.estimate
+        if self.blocked:
+            return None, 0 if est is None else est.images, self.blocked
         if est is None:
             return None, 0, f"no estimate yet (it needs {self.min_images} served images)"
         if est.images < self.min_images:
@@ -303,7 +309,7 @@ class PriorMonitor:
         with self.lock:
             est, at, n = self.estimate, self.updated_at, len(self.rows)
         return {"source_prior": [float(v) for v in self.source], "window": self.window, "refresh": self.refresh,
-                "min_images": self.min_images, "images_in_window": n,
+                "min_images": self.min_images, "images_in_window": n, "adaptive_blocked": self.blocked,
                 "estimate": est.to_dict() if est is not None else None,
                 "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at)) if at else None}
 
@@ -384,8 +390,11 @@ class ModelRegistry:
                 feed["log_prior_ratio"] = ratios
             return dict(zip(out_names, session.run(out_names, feed)))
 
+        from tafl.prior import adaptive_blocked
+
         monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
-                               self.prior_refresh, self.prior_min_images) if takes_prior else None
+                               self.prior_refresh, self.prior_min_images,
+                               blocked=adaptive_blocked(pkg.metadata.get("prior"))) if takes_prior else None
         return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, label or ref,
                            monitor=monitor)
 

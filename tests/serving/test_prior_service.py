@@ -92,3 +92,44 @@ def test_adaptive_falls_back_until_enough_images_then_follows_the_served_mix(pri
     assert mix["estimate"]["images"] >= MIN_IMAGES and mix["images_in_window"] <= 64
     metrics = httpx.get(f"{prior_server.url}/metrics", timeout=30).text
     assert "tafl_case_mix_estimate" in metrics and "tafl_case_mix_shift" in metrics
+
+
+def test_a_model_whose_validation_says_adaptation_hurts_is_not_adapted(gtafl_run, tmp_path, monkeypatch):
+    """The package records its run's validation check (tafl.prior.adaptive_check); with TAFL_PRIOR_ADAPTIVE=checked
+    (the default outside the tests) the service and `tafl score` keep the source prior for prior=adaptive and say
+    why, however many images are served, while the estimate still feeds /models and /metrics."""
+    import json
+    import shutil
+
+    from tafl.clients.score import score_folder
+    from tafl.packaging.export import export_checkpoint
+    from tafl.serving.launch import ServerProcess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(gtafl_run / "final.pt", run / "final.pt")
+    rep = json.loads((gtafl_run / "report.json").read_text())
+    rep["prior_adaptation"]["validation"]["average"].update(calibrated=0.48, adaptive_100=0.25, adaptive_500=0.26)
+    (run / "report.json").write_text(json.dumps(rep))
+    pkg = export_checkpoint(run / "final.pt", tmp_path / "pkg", name="derm-uncal")
+    check = pkg.metadata["prior"]["adaptive_check"]
+    assert check["recommended"] is False and "26.0 % against 48.0 %" in check["why"]
+    env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_PRIOR_ADAPTIVE": "checked", "TAFL_PRIOR_WINDOW": "64",
+           "TAFL_PRIOR_REFRESH": "4", "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES)}
+    with ServerProcess([str(tmp_path / "pkg")], env=env, log_path=tmp_path / "service.log") as srv:
+        for i in range(3 * MIN_IMAGES):
+            assert post(srv, i % 10).status_code == 200
+        time.sleep(1.0)
+        b = post(srv, 2, prior="adaptive").json()
+        assert b["prior"]["used"] == "train" and "validation split" in b["prior"]["fallback"], b["prior"]
+        mix = httpx.get(f"{srv.url}/models", timeout=30).json()["models"][0]["case_mix"]
+        assert mix["adaptive_blocked"] == check["why"] and mix["estimate"]["images"] >= MIN_IMAGES
+        explicit = post(srv, 2, prior=",".join(["0.1"] * 10)).json()  # an explicit prior is the caller's: it decides
+        assert explicit["prior"]["used"] == "explicit"
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(120):
+        (folder / f"{i:03d}.png").write_bytes(digit_png(i % 10))
+    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "checked")
+    s = score_folder(folder, tmp_path / "s.csv", package=str(tmp_path / "pkg"), progress=False, prior="adaptive")
+    assert s["prior"]["used"] == "train" and s["prior"]["fallback"] == check["why"]
