@@ -329,7 +329,8 @@ def _metrics_from(ck_path: Path) -> dict[str, Any] | None:
             "validation": r.get("validation")}
 
 
-def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: bool) -> list[str]:
+def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: bool,
+                 adaptive: dict[str, Any] | None = None) -> list[str]:
     cfg, names = ck["run_config"], ck["class_names"]
     out = [
         "Decision support for research and evaluation only; not a certified medical device and not for diagnosis "
@@ -349,6 +350,8 @@ def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: boo
             out.append("Classes recognised less than half the time on the test split: " + ", ".join(weak) + ".")
     if metrics is None:
         out.append("No evaluation report was found beside the checkpoint; metrics are not recorded.")
+    if adaptive and not adaptive.get("recommended", True):
+        out.append("prior=adaptive is off for this model (it keeps the training prior): " + adaptive["why"] + ".")
     return out
 
 
@@ -490,7 +493,7 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
         "intended_use": (f"Classify {ck['run_config']['dataset']}-like images into {len(ck['class_names'])} classes "
                          "when the class mix at the site is unknown or shifts (test-agnostic long-tailed "
                          "setting), as decision support beside a clinician."),
-        "limitations": _limitations(ck, metrics, mcfg.is_vit),
+        "limitations": _limitations(ck, metrics, mcfg.is_vit, adaptive),
         "verification": check,
     }
 

@@ -114,6 +114,7 @@ def test_a_model_whose_validation_says_adaptation_hurts_is_not_adapted(gtafl_run
     pkg = export_checkpoint(run / "final.pt", tmp_path / "pkg", name="derm-uncal")
     check = pkg.metadata["prior"]["adaptive_check"]
     assert check["recommended"] is False and "26.0 % against 48.0 %" in check["why"]
+    assert any("prior=adaptive is off" in line for line in pkg.metadata["limitations"])
     env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_PRIOR_ADAPTIVE": "checked", "TAFL_PRIOR_WINDOW": "64",
            "TAFL_PRIOR_REFRESH": "4", "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES)}
     with ServerProcess([str(tmp_path / "pkg")], env=env, log_path=tmp_path / "service.log") as srv:
