@@ -293,6 +293,10 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     adaptive = mode == "adaptive"
     if (url is None) == (package is None):
         raise ConfigError("give exactly one of --url URL (remote scoring) or --package PKG_DIR (in-process)")
+    if adaptive:
+        from tafl.prior import adaptive_blocked
+
+        adaptive_blocked(None)  # a bad TAFL_PRIOR_ADAPTIVE fails here, before the folder is scored
     if engine not in ("local", "ray"):
         raise ConfigError(f"--engine must be local or ray, got {engine!r}")
     if engine == "ray" and url:

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from tafl.errors import ConfigError
+from tafl.prior import CALIBRATIONS  # numpy only: the one list of calibration kinds
 from tafl.training.methods import method_names  # the one registry; importing it loads no method (nor torch)
 
 PARTITIONS = ("equal", "dirichlet")
@@ -121,7 +122,7 @@ class RunConfig:
     # --- calibration and prior-aware inference (tafl.prior) ---
     # calibration fitted federatedly after training, on the clients' held-out rows (only NLL sums, gradients and
     # Hessians of at most 2C numbers leave a client): none | temperature | bcts (temperature and per-class biases) |
-    # vector (per-class scales and biases; docs/decisions.md §2.5)
+    # vector (per-class scales and biases; docs/decisions.md §2.4)
     calibration: str = "none"
     calib_holdout: float = 0.0  # share of every client's rows held out of training for the calibration; 0: none
     calib_rounds: int = 25  # calibration Newton rounds at most
@@ -285,8 +286,8 @@ class RunConfig:
             raise bad("gamma_init", f"must be in [0, gamma_max={self.gamma_max}]")
         if self.folder_frames not in ("each", "refuse"):
             raise bad("folder_frames", "choose each or refuse")
-        if self.calibration not in ("none", "temperature", "bcts", "vector"):
-            raise bad("calibration", "choose none, temperature, bcts or vector")
+        if self.calibration not in CALIBRATIONS:
+            raise bad("calibration", f"choose one of {', '.join(CALIBRATIONS)}")
         if not (math.isfinite(self.calib_l2) and self.calib_l2 >= 0):
             raise bad("calib_l2", "must be a finite number >= 0")
         if not 0 <= self.calib_holdout < 0.5:

@@ -430,3 +430,11 @@ def test_the_readme_client_example_runs_as_written(server, tmp_path, monkeypatch
     exec(compile(block.replace("http://127.0.0.1:3000", server.url), "README.md", "exec"), {})
     out = capsys.readouterr().out.split()
     assert len(out) >= 2 and 0 <= float(out[1]) <= 1
+
+
+def test_a_bad_adaptive_mode_fails_before_the_folder_is_scored(gtafl_pkg, tmp_path, monkeypatch):
+    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "sometimes")
+    folder = _digit_folder(tmp_path, 3)
+    with pytest.raises(ConfigError, match="TAFL_PRIOR_ADAPTIVE must be checked or always"):
+        score_folder(folder, tmp_path / "out.csv", package=str(gtafl_pkg), progress=False, prior="adaptive")
+    assert not (tmp_path / "out.csv").exists()
