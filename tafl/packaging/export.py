@@ -122,19 +122,24 @@ class EnsembleGraph(nn.Module):
 class SingleHeadGraph(nn.Module):
     outputs = ("label", "probs", "logits", "heatmap", "calibrated_probs")
 
-    def __init__(self, model: Classifier, is_vit: bool, size: int, calibration: dict[str, Any] | None = None):
+    def __init__(self, model: Classifier, is_vit: bool, size: int, calibration: dict[str, Any] | None = None,
+                 offset: np.ndarray | None = None):
         super().__init__()
         self.feats = _Features(model, is_vit, size)
         self.head = model.head
         self.prior = _PriorAdaptation(calibration, model.head.out_features)
+        # the operating point (tafl.training.decision): the plain label is argmax(logits + offset)
+        C = model.head.out_features
+        self.register_buffer("offset", torch.zeros(C) if offset is None else
+                             torch.as_tensor(np.asarray(offset), dtype=torch.float32))
 
     def forward(self, image: torch.Tensor, log_prior_ratio: torch.Tensor | None = None):
         feats, aux = self.feats(image)
         logits = self.head(feats)
         # log-probabilities, as in training's calibration (tafl.training.methods.base.posterior_logits): one scale
         # cannot tell them from the logits, per-class scales can
-        label, probs, calibrated = self.prior(torch.log_softmax(logits, dim=1), log_prior_ratio, logits.argmax(dim=1),
-                                              torch.softmax(logits, dim=1))
+        label, probs, calibrated = self.prior(torch.log_softmax(logits, dim=1), log_prior_ratio,
+                                              (logits + self.offset).argmax(dim=1), torch.softmax(logits, dim=1))
         heat = self.feats.heatmap(image, aux, self.head.weight[label])
         return label, probs, logits, heat, calibrated
 
@@ -187,7 +192,10 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]], di
                                          calibration["source_expert"])
         graph.prior_spec = calibration
         return graph.eval(), experts, vote
-    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration)
+    from tafl.training.decision import check_record
+
+    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration,
+                            check_record(meta.get("decision"), mcfg.num_classes))
     graph.prior_spec = calibration
     return graph.eval(), [], None
 
@@ -350,6 +358,11 @@ def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: boo
             out.append("Classes recognised less than half the time on the test split: " + ", ".join(weak) + ".")
     if metrics is None:
         out.append("No evaluation report was found beside the checkpoint; metrics are not recorded.")
+    dec = (ck["state"].get("meta") or {}).get("decision")
+    if dec and dec.get("tau"):
+        out.append(f"The label is decided at an operating point chosen on validation (logit adjustment, τ "
+                   f"{dec['tau']:.1f}): rarer classes are called more often than the argmax of the probabilities "
+                   "would, trading their precision for recall. The probabilities are the model's own.")
     if adaptive and not adaptive.get("recommended", True):
         out.append("prior=adaptive is off for this model (it keeps the training prior): " + adaptive["why"] + ".")
     return out
@@ -475,6 +488,7 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
                   "preprocess": pre.to_dict()},
         "outputs": _output_spec(names, len(experts), mcfg.num_classes, pre.size),
         "experts": experts, "vote": vote,
+        "decision": _decision_spec(ck),
         "prior": {"input": "log_prior_ratio", "shape": ["1 or batch", C], "dtype": "float32", "default": "zeros",
                   "rule": "label = argmax softmax(scale·class_scale·z + bias + log q − log source_prior) when the "
                           "input is non-zero, else the model's own rule (class_scale: null = 1)",
@@ -496,6 +510,17 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
         "limitations": _limitations(ck, metrics, mcfg.is_vit, adaptive),
         "verification": check,
     }
+
+
+def _decision_spec(ck: dict[str, Any]) -> dict[str, Any]:
+    """How the plain label is decided: the argmax, or the validation-chosen operating point (tafl.training.decision)."""
+    rec = (ck["state"].get("meta") or {}).get("decision")
+    if not rec:
+        return {"rule": "argmax of the logits"}
+    return {"rule": "argmax(logits + offset), offset = −τ·log(training class mix), centred; the probabilities "
+                    "carry no offset, and a non-zero log_prior_ratio decides by the Bayes rule instead",
+            "tau": rec["tau"], "offset": rec["offset"], "criterion": rec["criterion"],
+            "validation_images": rec.get("validation_images"), "validation_scores": rec.get("scores")}
 
 
 def _class_codes(path: str | Path, names: list[str]) -> dict[str, dict[str, str]]:

@@ -292,7 +292,11 @@ def _prior_choice(model: LoadedModel, options: dict[str, str]) -> tuple[np.ndarr
     raw = str(options.get("prior", "train")).strip()
     names = model.package.class_names
     if raw.lower() in ("", "train"):
-        return None, {"used": "train"}
+        sec: dict[str, Any] = {"used": "train"}
+        dec = model.package.metadata.get("decision") or {}
+        if dec.get("tau"):  # the label is the validation-chosen operating point's, not the probabilities' argmax
+            sec["operating_point"] = {"tau": dec["tau"], "rule": "logit adjustment chosen on validation"}
+        return None, sec
     if model.monitor is None:
         raise BadRequest(f"model '{model.name}' {model.package.version} was exported before prior-aware inference; "
                          "re-export it with this tafl to use prior=adaptive or an explicit prior")

@@ -20,6 +20,7 @@ import yaml
 
 from tafl.errors import ConfigError
 from tafl.prior import CALIBRATIONS  # numpy only: the one list of calibration kinds
+from tafl.training.decision import KINDS as DECISIONS  # numpy only
 from tafl.training.methods import method_names  # the one registry; importing it loads no method (nor torch)
 
 PARTITIONS = ("equal", "dirichlet")
@@ -130,6 +131,10 @@ class RunConfig:
     # GTAFL: the posteriors calibration and prior estimation use: experts (mean of the experts' log-probabilities)
     # | uniform (the uniform expert's) ; the voted label stays the rule without a prior
     calib_source: str = "experts"
+    # the plain decision's operating point: argmax | validation (label = argmax(z − τ·log π), τ chosen on the
+    # validation split by its uniform-prior macro F1: post-hoc logit adjustment, tafl.training.decision; the
+    # probabilities are unchanged). Single-head methods only (fedavg, fedprox, creff, dafl)
+    decision: str = "argmax"
     adapt_sizes: str = "100,500"  # unlabeled images per prior estimate in the evaluation, comma-separated
     adapt_draws: int = 5  # draws of unlabeled images per distribution and size in the evaluation
     # --- ViT-DAFL (docs/design.md §5) ---
@@ -296,6 +301,10 @@ class RunConfig:
             raise bad("calib_holdout", f"calibration '{self.calibration}' needs held-out client rows (e.g. 0.1)")
         if self.calib_rounds < 1 or self.adapt_draws < 1:
             raise bad("calib_rounds", "calib_rounds and adapt_draws must be >= 1")
+        if self.decision not in DECISIONS:
+            raise bad("decision", f"choose one of {', '.join(DECISIONS)}")
+        if self.decision != "argmax" and self.method == "gtafl":
+            raise bad("decision", "an operating point is for single-head models; GTAFL decides by its experts' vote")
         if self.calib_source not in ("experts", "uniform"):
             raise bad("calib_source", "choose experts or uniform")
         try:

@@ -108,6 +108,13 @@ def render_markdown(r: dict[str, Any]) -> str:
     lines = [f"# {r['method']} on {r['dataset']}", ""]
     lines += [f"Kept model: round {r.get('selected_round')} ({r.get('selection', 'last')}); "
               f"mean prior-weighted accuracy over the eleven distributions **{pct(r['average_accuracy'])} %**.", ""]
+    dec = r.get("decision")
+    if dec:
+        sc, at = dec.get("scores", {}), f"{dec['tau']:.1f}"
+        lines += [f"Operating point: label = argmax(z − τ·log π) with τ **{dec['tau']:.1f}**, chosen on "
+                  f"{dec.get('validation_images', '?')} validation images by {dec.get('criterion', '')} "
+                  f"({pct(sc.get(at))} % against {pct(sc.get('0.0'))} % at the argmax); every "
+                  "label below is decided there, the probabilities are the model's.", ""]
     lines += ["## Accuracy per test distribution (%)", "",
               "Prior-weighted = Σ_c π_c·acc_c on the whole test split (docs/design.md §3); sampled = the paper's "
               "subset accuracy.", ""]

@@ -153,6 +153,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
            init_from: dict[str, Any] | None = None, parent_package: dict[str, Any] | None = None,
            transport_factory=None) -> dict[str, Any]:
     prep, method, transport = _setup(cfg, device, init_from, transport_factory)
+    if cfg.decision == "validation" and len(prep.dataset.val.labels) == 0:
+        raise ConfigError("config 'decision' = 'validation' needs a validation split, and this dataset has none "
+                          "(raise val_fraction, or use decision: argmax)")
     state = _initial_state(method, transport, prep, init_from)
     book, start = _new_book(), 0
     if resume:
@@ -199,8 +202,11 @@ def _initial_state(method: Method, transport: Transport, prep: Prepared,
     state = method.init_state(prep.train_counts)
     if init_from is not None:
         start_state = GlobalState.from_dict(init_from["state"])
+        # the parent's calibration and operating point describe the parent's weights: the retrained model fits its
+        # own (they are carried through every round's meta otherwise, and a stale one would skip the new fit)
+        meta = {k: v for k, v in start_state.meta.items() if k not in ("calibration", "decision")}
         state = GlobalState(start_state.weights, {**state.extras, **start_state.extras},
-                            {**start_state.meta, "client_counts": {}, "round": 0})
+                            {**meta, "client_counts": {}, "round": 0})
     method.round_config(state, transport.census(), 0)
     return state
 
@@ -275,6 +281,8 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
 
         identity = Calibration(source_prior=np.asarray(method.default_source_prior(kept), np.float64))
         kept = GlobalState(kept.weights, kept.extras, dict(kept.meta, calibration=identity.to_dict()))
+    if cfg.decision == "validation" and "decision" not in kept.meta:
+        kept = choose_operating_point(method, kept, ds, cfg)
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")
@@ -285,6 +293,21 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
              _pct(report["average_accuracy"]), _pct(report["test_distributions"]["backward50"]["accuracy"]),
              _pct(report["test_distributions"]["forward50"]["accuracy"]))
     return report
+
+
+def choose_operating_point(method: Method, state: GlobalState, ds: Dataset, cfg: RunConfig) -> GlobalState:
+    """The plain decision's τ (tafl.training.decision) on the validation split, recorded in the state's meta:
+    the report, `tafl eval` and the package all decide with it."""
+    from tafl.training.decision import select_operating_point
+
+    module = method.inference_model(state).to(method.device)
+    out = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=("logits",))
+    rec = select_operating_point(out["logits"], ds.val.labels, method.default_source_prior(state))
+    base = rec["scores"]["0.0"]
+    log.info("operating point: tau %.1f on %d validation images (uniform-prior macro F1 %.1f%% against %.1f%% "
+             "at the argmax)", rec["tau"], rec["validation_images"], 100 * rec["scores"][f"{rec['tau']:.1f}"],
+             100 * base)
+    return GlobalState(state.weights, state.extras, dict(state.meta, decision=rec))
 
 
 def _check_compatible(ck: dict[str, Any], prep: Prepared) -> None:
@@ -628,6 +651,8 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
                               "client_class_counts": ck.get("client_class_counts")}
     report.update(evaluate_outputs(out["probs"], out["label"], ds.test.labels, ranks, cfg.test_seed))
     report.update(method.extra_report(state, out, ds.test, ranks))
+    if state.meta.get("decision"):  # the operating point the labels above were decided at
+        report["decision"] = state.meta["decision"]
     val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
     val_ev = evaluate_outputs(val["probs"], val["label"], ds.val.labels, ranks, cfg.test_seed)
     # accuracy: plain, on the validation split as it comes; distribution_accuracy: prior-weighted per distribution

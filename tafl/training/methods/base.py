@@ -168,10 +168,13 @@ class Method:
 
     # ---- inference ----
     def inference_model(self, state: GlobalState) -> nn.Module:
-        """A module mapping a normalised batch to {"probs": (B, C), "label": (B,)}."""
+        """A module mapping a normalised batch to {"probs": (B, C), "label": (B,)}; the label at the run's
+        operating point where one was chosen on validation (tafl.training.decision)."""
+        from tafl.training.decision import check_record
+
         model = build_model(self.model_cfg)
         model.load_state_dict(state.weights)
-        return ProbsAndLabel(model).eval()
+        return ProbsAndLabel(model, check_record(state.meta.get("decision"), self.model_cfg.num_classes)).eval()
 
     output_keys: tuple[str, ...] = ("probs", "label")  # what evaluation collects from the inference model
 
@@ -241,10 +244,15 @@ class Method:
 
 
 class ProbsAndLabel(nn.Module):
-    def __init__(self, model: nn.Module):
+    """logits, softmax probabilities and the label: argmax(logits + offset), offset the operating point's
+    (tafl.training.decision; None: the plain argmax). The probabilities never carry the offset."""
+
+    def __init__(self, model: nn.Module, offset: np.ndarray | None = None):
         super().__init__()
         self.model = model
+        self.offset = None if offset is None else torch.as_tensor(np.asarray(offset), dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.model(x)  # (B, C)
-        return {"logits": logits, "probs": torch.softmax(logits, dim=1), "label": logits.argmax(dim=1)}
+        decide = logits if self.offset is None else logits + self.offset.to(logits.device)
+        return {"logits": logits, "probs": torch.softmax(logits, dim=1), "label": decide.argmax(dim=1)}

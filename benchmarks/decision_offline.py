@@ -1,0 +1,68 @@
+"""The validation-chosen operating point (`--decision validation`, tafl.training.decision) on finished runs.
+
+    python benchmarks/decision_offline.py RUN [RUN ...] [--data-root DIR]
+
+For each run folder's final.pt: the τ that training with `decision: validation` would choose (the same
+function, `tafl.training.simulator.choose_operating_point`, on the run's validation split), then the
+product's own evaluation of the checkpoint at that operating point (`evaluate_checkpoint`), written to
+RUN/decision/{report.json,report.md,final.pt}. Nothing is tuned on test. Compare with
+benchmarks/dafl_summary.py, e.g. `DAFL=RUN1,RUN2,RUN3 "DAFL + op=RUN1/decision,RUN2/decision,RUN3/decision"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tafl.imaging import Preprocess  # noqa: E402
+from tafl.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from tafl.training.config import RunConfig  # noqa: E402
+from tafl.training.data import load_dataset  # noqa: E402
+from tafl.training.methods import GlobalState  # noqa: E402
+from tafl.training.models import ModelConfig  # noqa: E402
+from tafl.training.report import write_report  # noqa: E402
+from tafl.training.simulator import choose_operating_point, evaluate_checkpoint, make_method  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--data-root", help="where the runs' dataset lies now, if it moved")
+    ap.add_argument("--threads", type=int, default=1)
+    ns = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(ns.threads)
+    for run in map(Path, ns.runs):
+        t0 = time.perf_counter()
+        ck = load_checkpoint(run / "final.pt")
+        cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
+        if ns.data_root:
+            cfg.data_root = ns.data_root
+        cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
+        ds = load_dataset(cfg.validate())
+        method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
+        state = GlobalState.from_dict(ck["state"])
+        state = GlobalState(state.weights, state.extras, {k: v for k, v in state.meta.items() if k != "decision"})
+        state = choose_operating_point(method, state, ds, cfg)
+        ck = dict(ck, state=state.to_dict(), run_config=dict(ck["run_config"], decision="validation"))
+        out = run / "decision"
+        out.mkdir(exist_ok=True)
+        save_checkpoint(ck, out / "final.pt")
+        report, outputs = evaluate_checkpoint(ck, ds, method=method)
+        report.update(selected_round=ck["round"], selection=cfg.select, rounds_run=cfg.rounds)
+        write_report(out, report, outputs)
+        um = report["uniform_metrics"]
+        print(f"{run}: tau {report['decision']['tau']:.1f}, macro F1 {100 * um['macro_f1']:.1f}, balanced recall "
+              f"{100 * um['recall']:.1f}, eleven-mean {100 * report['average_accuracy']:.1f} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

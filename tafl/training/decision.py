@@ -1,0 +1,77 @@
+"""The operating point of a single-head model's plain decision, chosen on the validation split.
+
+A long-tailed model's argmax favours the classes it saw most: its rare classes' recall stays low even
+where their probabilities rank them well. Post-hoc logit adjustment (Menon et al., "Long-tail learning
+via logit adjustment", ICLR 2021) moves the decision, not the model: label = argmax_c (z_c − τ·log π_c),
+with π the training class mix. τ = 0 is the argmax; τ = 1 the balanced (uniform-prior) Bayes rule for
+calibrated logits. τ is chosen on the validation split by the macro F1 under a uniform class prior
+(the metric docs/results.md reports), never on test.
+
+Only the label moves: the probabilities stay the model's posteriors under the training mix, which is
+what calibration, prior estimation and an explicit prior work on (an explicit or estimated prior
+decides by the Bayes rule, without this offset). docs/decisions.md §2.6.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+KINDS = ("argmax", "validation")
+GRID = tuple(round(0.1 * i, 1) for i in range(11))  # τ from 0 (argmax) to 1 (balanced)
+
+
+def offset_for(tau: float, train_prior: np.ndarray, floor: float = 1e-6) -> np.ndarray:
+    """(C,) −τ·log π, centred (argmax is unchanged by a constant)."""
+    lp = np.log(np.clip(np.asarray(train_prior, np.float64), floor, None))
+    o = -float(tau) * lp
+    return o - o.mean()
+
+
+def uniform_macro_f1(preds: np.ndarray, labels: np.ndarray, num_classes: int) -> float:
+    """Macro F1 with every present class weighted equally (each row of the confusion matrix scaled to the
+    same total), as tafl.training.evaluate.uniform_metrics computes it."""
+    cm = np.zeros((num_classes, num_classes))
+    np.add.at(cm, (labels, preds), 1.0)
+    rows = cm.sum(1)
+    present = rows > 0
+    cm = np.where(present[:, None], cm / np.maximum(rows, 1.0)[:, None], 0.0)
+    tp = np.diag(cm)
+    col = cm.sum(0)
+    prec = np.divide(tp, col, out=np.zeros_like(tp), where=col > 0)
+    rec = np.where(present, tp, 0.0)
+    f1 = np.divide(2 * prec * rec, prec + rec, out=np.zeros_like(tp), where=(prec + rec) > 0)
+    return float(f1[present].mean()) if present.any() else 0.0
+
+
+def select_operating_point(logits: np.ndarray, labels: np.ndarray, train_prior: np.ndarray,
+                           grid: tuple[float, ...] = GRID) -> dict[str, Any]:
+    """τ maximising the validation split's uniform-prior macro F1 (ties: the smaller τ, nearer the argmax).
+
+    logits (N, C) of the validation split (log-probabilities do as well), labels (N,). Returns the record a
+    checkpoint, a report and a package carry: kind, tau, offset, the criterion and every τ's score."""
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(labels, np.int64)
+    if z.ndim != 2 or len(z) != len(y) or len(y) == 0:
+        raise ValueError(f"need (N, C) validation logits and N labels, got {z.shape} and {y.shape}")
+    C = z.shape[1]
+    scores = [uniform_macro_f1((z + offset_for(t, train_prior)).argmax(1), y, C) for t in grid]
+    best = int(np.argmax(np.round(scores, 12)))  # first maximum: the smallest τ among ties
+    tau = float(grid[best])
+    return {"kind": "logit_adjustment", "tau": tau, "offset": [float(v) for v in offset_for(tau, train_prior)],
+            "train_prior": [float(v) for v in np.asarray(train_prior, np.float64)],
+            "criterion": "the macro F1 under a uniform class prior", "validation_images": int(len(y)),
+            "scores": {f"{t:.1f}": float(s) for t, s in zip(grid, scores)}}
+
+
+def check_record(rec: Any, num_classes: int) -> np.ndarray | None:
+    """The offset of a checkpoint's or package's decision record, validated; None for the plain argmax."""
+    if rec is None:
+        return None
+    if not isinstance(rec, dict) or "offset" not in rec:
+        raise ValueError("the decision record needs an 'offset'")
+    o = np.asarray(rec["offset"], np.float64)
+    if o.shape != (num_classes,) or not np.isfinite(o).all():
+        raise ValueError(f"the decision offset must be {num_classes} finite numbers, got {rec['offset']!r}")
+    return o

@@ -1,0 +1,155 @@
+"""The validation-chosen operating point (tafl.training.decision, `decision: validation`): the choice, and that
+training's report, the exported graph and a retrain all decide with it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tafl.errors import ConfigError
+from tafl.training.decision import GRID, check_record, offset_for, select_operating_point, uniform_macro_f1
+from tafl.training.evaluate import uniform_metrics
+
+
+def _long_tailed_logits(rng, n_per_class=(400, 200, 80, 20), margin=1.2):
+    """A model that ranks every class well (class signal on its own logit) but adds the training log-prior, so
+    its argmax under-calls the rare classes: the case logit adjustment repairs."""
+    counts = np.asarray(n_per_class, float)
+    prior = counts / counts.sum()
+    y = np.concatenate([np.full(m, c) for c, m in enumerate(n_per_class)])
+    z = rng.normal(size=(len(y), len(counts))) + np.log(prior)
+    z[np.arange(len(y)), y] += margin
+    return z, y, prior
+
+
+def test_uniform_macro_f1_is_the_reports_metric():
+    rng = np.random.default_rng(0)
+    for absent in (None, 2):
+        y = rng.integers(0, 5, 300)
+        if absent is not None:
+            y[y == absent] = 0
+        p = rng.integers(0, 5, 300)
+        want = uniform_metrics(np.full((300, 5), 0.2), p, y, 5)["macro_f1"]
+        assert uniform_macro_f1(p, y, 5) == pytest.approx(want, abs=1e-12)
+
+
+def test_the_offset_raises_rare_recall_and_is_chosen_on_the_data_given():
+    rng = np.random.default_rng(1)
+    z, y, prior = _long_tailed_logits(rng)
+    rec = select_operating_point(z, y, prior)
+    assert rec["tau"] > 0.3 and set(rec["scores"]) == {f"{t:.1f}" for t in GRID}
+    assert rec["scores"][f"{rec['tau']:.1f}"] > rec["scores"]["0.0"] + 0.05
+    o = check_record(rec, 4)
+    assert abs(o.sum()) < 1e-9 and o[3] > o[0]  # the rarest class gains, the commonest loses
+    # fresh data from the same model: the chosen point still lifts the rare class's recall
+    z2, y2, _ = _long_tailed_logits(np.random.default_rng(2))
+    rare = y2 == 3
+    assert ((z2 + o).argmax(1)[rare] == 3).mean() > (z2.argmax(1)[rare] == 3).mean() + 0.2
+
+
+def test_a_model_already_balanced_keeps_its_argmax():
+    """Ties (a perfectly separable validation split scores 1 at every τ) go to the smallest τ, the argmax."""
+    y = np.repeat(np.arange(3), [50, 20, 5])
+    z = np.eye(3)[y] * 20.0
+    rec = select_operating_point(z, y, np.array([0.7, 0.25, 0.05]))
+    assert rec["tau"] == 0.0 and np.allclose(rec["offset"], 0) and np.allclose(offset_for(0, [0.5, 0.5]), 0)
+
+
+def test_bad_records_and_inputs_are_refused():
+    assert check_record(None, 3) is None
+    with pytest.raises(ValueError, match="3 finite"):
+        check_record({"offset": [0.0, 1.0]}, 3)
+    with pytest.raises(ValueError, match="3 finite"):
+        check_record({"offset": [0.0, float("nan"), 1.0]}, 3)
+    with pytest.raises(ValueError, match="offset"):
+        check_record({"tau": 0.3}, 3)
+    with pytest.raises(ValueError, match="validation logits"):
+        select_operating_point(np.zeros((0, 3)), np.zeros(0, int), np.ones(3) / 3)
+
+
+def test_config_refuses_an_operating_point_for_gtafl_and_unknown_kinds(smoke_cfg):
+    from dataclasses import replace
+
+    with pytest.raises(ConfigError, match="'decision'.*single-head"):
+        replace(smoke_cfg, method="gtafl", decision="validation").validate()
+    with pytest.raises(ConfigError, match="'decision'.*choose one of argmax, validation"):
+        replace(smoke_cfg, decision="balanced").validate()
+    replace(smoke_cfg, method="dafl", decision="validation").validate()
+
+
+@pytest.fixture(scope="module")
+def op_run(tmp_path_factory):
+    """fedavg on the smoke config with the operating point chosen on validation."""
+    from tafl.training.config import load_config
+    from tafl.training.simulator import train
+
+    from tests.conftest import CONFIGS
+
+    out = tmp_path_factory.mktemp("op") / "run"
+    train(load_config(CONFIGS / "smoke.yaml", {"decision": "validation", "imbalance_factor": 50}), out,
+          progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_training_reports_and_exports_the_operating_point(op_run, tmp_path):
+    """The report's labels, the package's `label` output and `tafl eval` all decide at argmax(logits + offset);
+    the probabilities carry no offset; a non-zero log_prior_ratio decides by the Bayes rule, without it."""
+    import json
+
+    from tafl.packaging.export import export_checkpoint
+    from tafl.prior import adapt, log_prior_ratio
+    from tafl.training.checkpoint import load_checkpoint
+    from tafl.training.config import RunConfig
+    from tafl.training.data import load_dataset
+
+    report = json.loads((op_run / "report.json").read_text())
+    rec = report["decision"]
+    assert rec["validation_images"] > 0 and rec["tau"] in GRID
+    assert rec["scores"][f"{rec['tau']:.1f}"] >= rec["scores"]["0.0"]
+    assert "Operating point" in (op_run / "report.md").read_text()
+    ck = load_checkpoint(op_run / "final.pt")
+    assert ck["state"]["meta"]["decision"] == rec
+    pkg = export_checkpoint(op_run / "final.pt", tmp_path / "pkg", name="op-fedavg")
+    assert pkg.metadata["decision"]["tau"] == rec["tau"]
+    cfg = RunConfig.from_dict(ck["run_config"])
+    cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
+    ds = load_dataset(cfg.validate())
+    x = pkg.preprocess.normalize(ds.test.images)
+    sess = pkg.session(providers=["CPUExecutionProvider"])
+    got = pkg.run(sess, x)
+    o = np.asarray(rec["offset"])
+    assert np.array_equal(got["label"], (got["logits"] + o).argmax(1))
+    lg = got["logits"].astype(np.float64)
+    sm = np.exp(lg - lg.max(1, keepdims=True))
+    assert np.abs(got["probs"] - sm / sm.sum(1, keepdims=True)).max() < 1e-5
+    # the report's confusion matrix is the package's decisions on the same test split
+    cm = np.zeros((len(pkg.class_names),) * 2, int)
+    np.add.at(cm, (ds.test.labels, got["label"]), 1)
+    assert np.array_equal(cm, np.asarray(report["confusion_matrix"]))
+    src = np.asarray(pkg.metadata["prior"]["source_prior"])
+    q = np.full(len(src), 1.0 / len(src))
+    shifted = pkg.run(sess, x, log_prior_ratio(q, src))
+    assert np.array_equal(shifted["label"], adapt(got["calibrated_probs"], src, q).argmax(1))
+    if rec["tau"] > 0:
+        assert "operating point chosen on validation" in " ".join(pkg.metadata["limitations"])
+
+
+@pytest.mark.slow
+def test_a_retrain_fits_its_own_operating_point_and_calibration(op_run, tmp_path):
+    """A parent's operating point (and calibration) describe the parent's weights: a retrain does not inherit them."""
+    import json
+
+    from tafl.training.checkpoint import load_checkpoint
+    from tafl.training.config import load_config
+    from tafl.training.simulator import train
+
+    from tests.conftest import CONFIGS
+
+    parent = load_checkpoint(op_run / "final.pt")
+    parent["state"]["meta"]["decision"] = dict(parent["state"]["meta"]["decision"], tau=9.9, offset=[5.0] * 10)
+    out = tmp_path / "child"
+    train(load_config(CONFIGS / "smoke.yaml", {"decision": "validation", "imbalance_factor": 50, "rounds": 1}), out,
+          progress=False, init_from=parent)
+    rec = json.loads((out / "report.json").read_text())["decision"]
+    assert rec["tau"] in GRID and rec["offset"] != [5.0] * 10
