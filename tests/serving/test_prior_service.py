@@ -134,3 +134,37 @@ def test_a_model_whose_validation_says_adaptation_hurts_is_not_adapted(gtafl_run
     monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "checked")
     s = score_folder(folder, tmp_path / "s.csv", package=str(tmp_path / "pkg"), progress=False, prior="adaptive")
     assert s["prior"]["used"] == "train" and s["prior"]["fallback"] == check["why"]
+
+
+def test_a_package_with_an_operating_point_decides_there_and_says_so(dafl_run, tmp_path):
+    """The label a served request gets is the graph's argmax(logits + offset) (tafl.training.decision); its
+    probabilities stay the model's, and the response's prior section names the operating point."""
+    from PIL import Image
+    import io
+
+    from tafl.packaging.export import export_checkpoint
+    from tafl.serving.launch import ServerProcess
+    from tafl.training.checkpoint import load_checkpoint, save_checkpoint
+
+    ck = load_checkpoint(dafl_run / "final.pt")
+    C = len(ck["class_names"])
+    offset = np.full(C, -0.3)
+    offset[7] += 0.3 * C  # centred, and large enough to move some labels to class 7
+    ck["state"]["meta"]["decision"] = {"kind": "logit_adjustment", "tau": 0.5, "offset": offset.tolist(),
+                                       "criterion": "the macro F1 under a uniform class prior", "scores": {}}
+    path = save_checkpoint({k: v for k, v in ck.items() if k not in ("format", "version")}, tmp_path / "op.pt")
+    pkg = export_checkpoint(path, tmp_path / "pkg", name="derm-op")
+    assert pkg.metadata["decision"]["tau"] == 0.5
+    sess = pkg.session(providers=["CPUExecutionProvider"])
+    with ServerProcess([str(tmp_path / "pkg")], env={"BENTOML_HOME": str(tmp_path / "bentoml_home")},
+                       log_path=tmp_path / "service.log") as srv:
+        moved = 0
+        for i in range(10):
+            b = post(srv, i).json()
+            assert b["prior"] == {"used": "train", "operating_point": {
+                "tau": 0.5, "rule": "logit adjustment chosen on validation"}}
+            want = pkg.run(sess, pkg.preprocess([np.asarray(Image.open(io.BytesIO(digit_png(i))))]))
+            assert b["label"] == int(want["label"][0]) == int((want["logits"][0] + offset).argmax())
+            assert b["probabilities"]["7"] == pytest.approx(float(want["probs"][0, 7]), abs=1e-5)
+            moved += b["label"] != int(want["probs"][0].argmax())
+        assert moved > 0  # the offset did decide some labels against the probabilities' argmax
