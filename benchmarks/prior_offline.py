@@ -210,8 +210,9 @@ def main() -> None:
              "training-like distribution; `B50 100` what EM at n = 100 gains on backward50. `val OOF`: EM 500 on "
              "validation with calibrations fitted on the other folds (5-fold), the selection criterion. `TV ∞ fix`: TV ∞ "
              "after subtracting the bias that the out-of-fold validation posteriors show for the same prior; `bias r`: "
-             "the correlation of the two biases over the classes (mean over the eleven). Where `TV ∞ fix` is not below "
-             "`TV ∞`, no correction learnt on the validation split can remove the bias.", ""]
+             "the correlation of the two biases over the classes (mean over the eleven). The correction is picked with "
+             "the true prior, so `TV ∞ fix` is an optimistic bound: where it is not below `TV ∞`, no correction learnt on "
+             "the validation split can remove the bias.", ""]
     for split in ("val", "test"):
         lines += [f"## {split}", "", "| posteriors | calibration | estimator | val OOF EM 500 | plain | EM 100 | EM 500 | "
                   "oracle | TV 500 | TV ∞ | TV ∞ fix | bias r | gap | uni harm | F50 harm | B50 100 |",
