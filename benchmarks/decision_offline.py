@@ -18,15 +18,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from tafl.imaging import Preprocess  # noqa: E402
-from tafl.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from tafl.training.config import RunConfig  # noqa: E402
-from tafl.training.data import load_dataset  # noqa: E402
+from prior_offline import open_run  # noqa: E402  (benchmarks/)
+from tafl.training.checkpoint import save_checkpoint  # noqa: E402
 from tafl.training.methods import GlobalState  # noqa: E402
-from tafl.training.models import ModelConfig  # noqa: E402
 from tafl.training.report import write_report  # noqa: E402
-from tafl.training.simulator import choose_operating_point, evaluate_checkpoint, make_method  # noqa: E402
+from tafl.training.simulator import choose_operating_point, evaluate_checkpoint  # noqa: E402
 
 
 def main() -> int:
@@ -40,14 +38,7 @@ def main() -> int:
     torch.set_num_threads(ns.threads)
     for run in map(Path, ns.runs):
         t0 = time.perf_counter()
-        ck = load_checkpoint(run / "final.pt")
-        cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
-        if ns.data_root:
-            cfg.data_root = ns.data_root
-        cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
-        ds = load_dataset(cfg.validate())
-        method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
-        state = GlobalState.from_dict(ck["state"])
+        ck, cfg, ds, method, state = open_run(run, ns.data_root)
         state = GlobalState(state.weights, state.extras, {k: v for k, v in state.meta.items() if k != "decision"})
         state = choose_operating_point(method, state, ds, cfg)
         ck = dict(ck, state=state.to_dict(), run_config=dict(ck["run_config"], decision="validation"))

@@ -105,6 +105,20 @@ def out_of_fold(z: np.ndarray, labels: np.ndarray, kind: str, src0: np.ndarray, 
     return out, common
 
 
+def open_run(run: str | Path, data_root: str | None = None):
+    """A run folder's final.pt with its config, dataset (at the model's size), method and global state."""
+    from tafl.imaging import Preprocess
+
+    ck = load_checkpoint(Path(run) / "final.pt")
+    cfg = RunConfig.from_dict(ck["run_config"], "checkpoint")
+    if data_root:
+        cfg.data_root = data_root
+    cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
+    ds = load_dataset(cfg.validate())
+    method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
+    return ck, cfg, ds, method, GlobalState.from_dict(ck["state"])
+
+
 CALIBRATIONS = {"none": "none", "BCTS on validation": "bcts", "vector on validation": "vector"}
 
 
@@ -125,16 +139,7 @@ def main() -> None:
     rows: dict[tuple[str, str, str], list[dict]] = {}
     t0 = time.perf_counter()
     for run in a.runs:
-        ck = load_checkpoint(Path(run) / "final.pt")
-        cfg = RunConfig.from_dict(ck["run_config"], "checkpoint")
-        if a.data_root:
-            cfg.data_root = a.data_root
-        cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
-        ds = load_dataset(cfg.validate())
-        from tafl.imaging import Preprocess
-
-        method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
-        state = GlobalState.from_dict(ck["state"])
+        ck, cfg, ds, method, state = open_run(run, a.data_root)
         ranks = np.asarray(ck["class_ranks"])
         C = len(ck["class_names"])
         keep = [c.strip() for c in a.only.split(",") if c.strip()]
