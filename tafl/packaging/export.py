@@ -194,8 +194,11 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]], di
         return graph.eval(), experts, vote
     from tafl.training.decision import check_record
 
-    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration,
-                            check_record(meta.get("decision"), mcfg.num_classes))
+    try:
+        offset = check_record(meta.get("decision"), mcfg.num_classes)
+    except ValueError as exc:
+        raise PackageError(f"the checkpoint's operating point cannot be exported: {exc}") from None
+    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration, offset)
     graph.prior_spec = calibration
     return graph.eval(), [], None
 

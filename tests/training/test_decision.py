@@ -154,3 +154,25 @@ def test_a_retrain_fits_its_own_operating_point_and_calibration(op_run, tmp_path
           progress=False, init_from=parent)
     rec = json.loads((out / "report.json").read_text())["decision"]
     assert rec["tau"] in GRID and rec["offset"] != [5.0] * 10
+
+
+@pytest.mark.slow
+def test_a_corrupt_operating_point_is_refused_with_a_message(op_run, tmp_path):
+    """A checkpoint whose decision record is broken is refused by export and by evaluation, not run with it."""
+    from tafl.errors import CheckpointError, PackageError
+    from tafl.packaging.export import export_checkpoint
+    from tafl.training.checkpoint import load_checkpoint, save_checkpoint
+    from tafl.training.config import RunConfig
+    from tafl.training.data import load_dataset
+    from tafl.training.simulator import evaluate_checkpoint
+
+    ck = load_checkpoint(op_run / "final.pt")
+    ck["state"]["meta"]["decision"] = dict(ck["state"]["meta"]["decision"], offset=[0.0, float("nan")])
+    path = save_checkpoint({k: v for k, v in ck.items() if k not in ("format", "version")}, tmp_path / "bad.pt")
+    with pytest.raises(PackageError, match="operating point cannot be exported.*10 finite"):
+        export_checkpoint(path, tmp_path / "pkg", name="bad-op")
+    assert not (tmp_path / "pkg" / "model.onnx").exists()
+    cfg = RunConfig.from_dict(ck["run_config"])
+    cfg.img_size, cfg.channels = ck["preprocess"]["size"], ck["preprocess"]["channels"]
+    with pytest.raises(CheckpointError, match="operating point is unusable"):
+        evaluate_checkpoint(load_checkpoint(path), load_dataset(cfg.validate()))

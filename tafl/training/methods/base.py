@@ -170,11 +170,16 @@ class Method:
     def inference_model(self, state: GlobalState) -> nn.Module:
         """A module mapping a normalised batch to {"probs": (B, C), "label": (B,)}; the label at the run's
         operating point where one was chosen on validation (tafl.training.decision)."""
+        from tafl.errors import CheckpointError
         from tafl.training.decision import check_record
 
+        try:
+            offset = check_record(state.meta.get("decision"), self.model_cfg.num_classes)
+        except ValueError as exc:
+            raise CheckpointError(f"the checkpoint's operating point is unusable: {exc}") from None
         model = build_model(self.model_cfg)
         model.load_state_dict(state.weights)
-        return ProbsAndLabel(model, check_record(state.meta.get("decision"), self.model_cfg.num_classes)).eval()
+        return ProbsAndLabel(model, offset).eval()
 
     output_keys: tuple[str, ...] = ("probs", "label")  # what evaluation collects from the inference model
 
