@@ -520,7 +520,7 @@ def _decision_spec(ck: dict[str, Any]) -> dict[str, Any]:
     rec = (ck["state"].get("meta") or {}).get("decision")
     if not rec:
         return {"rule": "argmax of the logits"}
-    return {"rule": "argmax(logits + offset), offset = −τ·log(training class mix), centred; the probabilities "
+    return {"rule": "argmax(logits + offset), offset = −τ·log π, centred, π the class mix the posteriors describe (the training mix; DAFL: the loss-weighted mix); the probabilities "
                     "carry no offset, and a non-zero log_prior_ratio decides by the Bayes rule instead",
             "tau": rec["tau"], "offset": rec["offset"], "criterion": rec["criterion"],
             "validation_images": rec.get("validation_images"), "validation_scores": rec.get("scores")}

@@ -3,7 +3,8 @@
 A long-tailed model's argmax favours the classes it saw most: its rare classes' recall stays low even
 where their probabilities rank them well. Post-hoc logit adjustment (Menon et al., "Long-tail learning
 via logit adjustment", ICLR 2021) moves the decision, not the model: label = argmax_c (z_c − τ·log π_c),
-with π the training class mix. τ = 0 is the argmax; τ = 1 the balanced (uniform-prior) Bayes rule for
+with π the class mix the model's posteriors describe (`Method.default_source_prior`: the training
+mix; for DAFL's class-weighted loss, the loss-weighted mix). τ = 0 is the argmax; τ = 1 the balanced (uniform-prior) Bayes rule for
 calibrated logits. τ is chosen on the validation split by the macro F1 under a uniform class prior
 (the metric docs/results.md reports), never on test.
 
