@@ -31,19 +31,16 @@ def offset_for(tau: float, train_prior: np.ndarray, floor: float = 1e-6) -> np.n
 
 
 def uniform_macro_f1(preds: np.ndarray, labels: np.ndarray, num_classes: int) -> float:
-    """Macro F1 with every present class weighted equally (each row of the confusion matrix scaled to the
-    same total), as tafl.training.evaluate.uniform_metrics computes it."""
-    cm = np.zeros((num_classes, num_classes))
-    np.add.at(cm, (labels, preds), 1.0)
-    rows = cm.sum(1)
-    present = rows > 0
-    cm = np.where(present[:, None], cm / np.maximum(rows, 1.0)[:, None], 0.0)
-    tp = np.diag(cm)
-    col = cm.sum(0)
-    prec = np.divide(tp, col, out=np.zeros_like(tp), where=col > 0)
-    rec = np.where(present, tp, 0.0)
-    f1 = np.divide(2 * prec * rec, prec + rec, out=np.zeros_like(tp), where=(prec + rec) > 0)
-    return float(f1[present].mean()) if present.any() else 0.0
+    """The report's macro F1 under a uniform class prior (tafl.training.evaluate.uniform_metrics), without its
+    AUC and per-class tables: the same weights, the same F1, over the present classes."""
+    from sklearn.metrics import f1_score
+
+    from tafl.training.evaluate import uniform_weights  # imported here: this module stays torch-free for the config
+
+    present = np.flatnonzero(np.bincount(labels, minlength=num_classes) > 0)
+    f1 = f1_score(labels, preds, labels=np.arange(num_classes), sample_weight=uniform_weights(labels, num_classes),
+                  average=None, zero_division=0)
+    return float(f1[present].mean()) if len(present) else 0.0
 
 
 def select_operating_point(logits: np.ndarray, labels: np.ndarray, train_prior: np.ndarray,

@@ -104,10 +104,15 @@ def confusion(preds: np.ndarray, labels: np.ndarray, num_classes: int, weights: 
     return cm
 
 
+def uniform_weights(labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """Per-sample weights 1/(C·n_c): every present class weighs the same (the uniform prior)."""
+    counts = np.bincount(labels, minlength=num_classes).astype(np.float64)
+    return 1.0 / (num_classes * counts.clip(1)[labels])
+
+
 def uniform_metrics(probs: np.ndarray, preds: np.ndarray, labels: np.ndarray, num_classes: int) -> dict[str, Any]:
     """Macro metrics under the uniform prior: every sample weighted by 1/(C·n_c)."""
-    counts = np.bincount(labels, minlength=num_classes).astype(np.float64)
-    return class_metrics(probs, preds, labels, num_classes, 1.0 / (num_classes * counts.clip(1)[labels]))
+    return class_metrics(probs, preds, labels, num_classes, uniform_weights(labels, num_classes))
 
 
 def natural_metrics(probs: np.ndarray, preds: np.ndarray, labels: np.ndarray, num_classes: int) -> dict[str, Any]:
