@@ -16,6 +16,7 @@ import csv
 import hashlib
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,10 +192,7 @@ def _load_folder(cfg: RunConfig):
     else:
         images, rows = read_folder_images(files, side, channels, cfg.folder_frames)
         if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp.npz")
-            np.savez(tmp, images=images, rows=rows)
-            os.replace(tmp, cache)
+            write_cache(cache, images=images, rows=rows)
     if len(rows) != len(ids):  # multi-frame files: one sample per frame, all frames of a file in one split
         per_file = np.bincount(rows, minlength=len(ids))
         frame_no = np.concatenate([np.arange(n) for n in per_file])
@@ -266,6 +264,25 @@ def _resolve_files(image_dir: Path, ids: np.ndarray) -> list[Path]:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise DataError(f"{len(missing)} image(s) named in the labels CSV are missing from {image_dir}: {shown}")
     return files
+
+
+def write_cache(cache: Path, **arrays: np.ndarray) -> bool:
+    """Write decoded images to the cache atomically. Runs that decode the same folder at once (seeds side by
+    side) each write their own temporary file and rename it over the cache; the last rename wins, with the same
+    bytes. A cache that cannot be written costs a warning, never the run: the images are decoded already."""
+    tmp: str | None = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f"{cache.stem}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(tmp, cache)
+        return True
+    except OSError as e:
+        log.warning("could not write the decoded-image cache %s (%s); this run goes on without it", cache, e)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return False
 
 
 def _cache_path(cfg: RunConfig, key: str) -> Path | None:

@@ -97,6 +97,41 @@ def test_folder_with_groups_never_splits_a_group(tmp_path):
     assert np.array_equal(again.train.images, ds.train.images)
 
 
+def test_runs_decoding_the_same_folder_at_once_share_one_cache(tmp_path):
+    """Seeds started side by side all miss the cache and all write it: each through its own temporary file
+    (one shared temporary name made the losers of the race fail with FileNotFoundError)."""
+    import threading
+
+    from tafl.training.data import write_cache
+
+    cache = tmp_path / "c" / "folder-x.npz"
+    arrays = {"images": np.arange(3 * 64 * 64 * 3, dtype=np.uint8).reshape(3, 64, 64, 3), "rows": np.arange(3)}
+    start, results = threading.Barrier(8), []
+
+    def writer():
+        start.wait()
+        results.append(write_cache(cache, **arrays))
+
+    threads = [threading.Thread(target=writer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 8
+    with np.load(cache) as z:
+        assert np.array_equal(z["images"], arrays["images"]) and np.array_equal(z["rows"], arrays["rows"])
+    assert sorted(p.name for p in cache.parent.iterdir()) == ["folder-x.npz"]  # no temporary file left behind
+
+
+def test_a_cache_that_cannot_be_written_does_not_fail_the_load(tmp_path, caplog):
+    root = _make_folder(tmp_path)
+    (tmp_path / "not-a-dir").write_text("a file where the cache folder should be")
+    with caplog.at_level("WARNING", logger="tafl.training.data"):
+        ds = load_dataset(_folder_cfg(root, cache_dir=str(tmp_path / "not-a-dir" / "cache")))
+    assert len(ds.train) + len(ds.val) + len(ds.test) == 120
+    assert "could not write the decoded-image cache" in caplog.text
+
+
 def test_folder_missing_images_and_columns(tmp_path):
     root = _make_folder(tmp_path, n_groups=6)
     (root / "images" / "img_0_0.png").unlink()
