@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tafl.packaging.export import validation_average  # noqa: E402
 from tafl.prior import adaptive_check  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def one(run: Path) -> dict:
     plain = {k: d["accuracy"] for k, d in dist.items()}
     em = {k: d["adaptive"][big]["accuracy"] for k, d in dist.items()}
     gaps = {k: d["oracle"] - em[k] for k, d in dist.items()}
-    check = adaptive_check(pa["validation"]["average"]) or {}
+    check = adaptive_check(validation_average(r)) or {}
     return {"run": str(run), "calibration": pa["calibration"]["kind"],
             "temperature": pa["calibration"].get("temperature"),
             "plain": r["average_accuracy"], "calibrated": pa["test"]["average"]["calibrated"],

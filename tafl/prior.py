@@ -403,8 +403,10 @@ ADAPTIVE_TOLERANCE = 0.01  # the adapted rule may lose this much (1 point) to th
 
 def adaptive_check(validation: dict[str, Any] | None) -> dict[str, Any] | None:
     """Whether `prior=adaptive` should be used for a model, from its training report's validation split
-    (report.json prior_adaptation.validation.average: the calibrated rule and the rule adapted to EM's
-    estimate from n images, means of the eleven distributions). A model whose posteriors are not calibrated
+    (report.json prior_adaptation.validation.average: the rule adapted to EM's estimate from n images against
+    the rule the package falls back to, means of the eleven distributions). That fallback is `plain`, the
+    model's own label (the operating point of `decision: validation`, GTAFL's vote), where the report has it;
+    older reports only hold `calibrated`, the calibrated argmax. A model whose posteriors are not calibrated
     for estimation (an uncalibrated class-weighted ViT-DAFL: EM's estimate ends 0.6 TV from the truth and the
     adapted rule loses 20 points) would be served worse by adapting; then `recommended` is False and `why`
     says so. None when the report holds no validation numbers (older runs): nothing is known, nothing is
@@ -412,18 +414,20 @@ def adaptive_check(validation: dict[str, Any] | None) -> dict[str, Any] | None:
     if not validation:
         return None
     sizes = sorted(int(k.split("_")[1]) for k in validation if k.startswith("adaptive_"))
-    if not sizes or validation.get("calibrated") is None:
+    against = "plain" if validation.get("plain") is not None else "calibrated"
+    if not sizes or validation.get(against) is None:
         return None
     n = sizes[-1]
-    plain, adapted = float(validation["calibrated"]), float(validation[f"adaptive_{n}"])
+    plain, adapted = float(validation[against]), float(validation[f"adaptive_{n}"])
     ok = adapted >= plain - ADAPTIVE_TOLERANCE
-    out: dict[str, Any] = {"recommended": ok, "images": n, "plain": plain, "adaptive": adapted,
-                           "oracle": validation.get("oracle")}
+    out: dict[str, Any] = {"recommended": ok, "images": n, "plain": plain, "against": against,
+                           "adaptive": adapted, "oracle": validation.get("oracle")}
     if not ok:
-        out["why"] = (f"on its validation split the rule adapted to an estimate from {n} images lost to the plain "
-                      f"rule ({100 * adapted:.1f} % against {100 * plain:.1f} %, mean of the eleven distributions): "
-                      "its posteriors are not calibrated for estimation; retrain with --calibration vector "
-                      "--calib_holdout 0.1, or give the prior explicitly")
+        rule = "model's own decision" if against == "plain" else "calibrated argmax"
+        out["why"] = (f"on its validation split the rule adapted to an estimate from {n} images lost to the {rule} "
+                      f"({100 * adapted:.1f} % against {100 * plain:.1f} %, mean of the eleven distributions): "
+                      "its posteriors are not calibrated well enough for estimation; retrain with --calibration "
+                      "vector --calib_holdout 0.1 if it has none, or give the prior explicitly")
     return out
 
 

@@ -239,6 +239,12 @@ def test_the_validation_check_blocks_adaptation_where_it_lost_on_validation(monk
     assert good["recommended"] and good["images"] == 500 and "why" not in good  # within the 1-point tolerance
     bad = adaptive_check({"calibrated": 0.488, "adaptive_100": 0.25, "adaptive_500": 0.252, "oracle": 0.46})
     assert not bad["recommended"] and "25.2 % against 48.8 %" in bad["why"] and "--calibration vector" in bad["why"]
+    assert good["against"] == "calibrated"  # an older report: only the calibrated argmax is known
+    # the rule a blocked prior=adaptive serves is the model's own label (an operating point, a vote): adapting must
+    # not lose to that, even where it beats the calibrated argmax
+    own = adaptive_check({"calibrated": 0.45, "plain": 0.55, "adaptive_500": 0.52, "oracle": 0.58})
+    assert not own["recommended"] and own["against"] == "plain" and "model's own decision" in own["why"]
+    assert adaptive_check({"calibrated": 0.45, "plain": 0.55, "adaptive_500": 0.545})["recommended"]
     monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "checked")
     assert adaptive_blocked({"adaptive_check": bad}) == bad["why"]
     assert adaptive_blocked({"adaptive_check": good}) is None and adaptive_blocked({}) is None
@@ -247,3 +253,18 @@ def test_the_validation_check_blocks_adaptation_where_it_lost_on_validation(monk
     monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "sometimes")
     with pytest.raises(ConfigError, match="checked or always"):
         adaptive_blocked({})
+
+
+def test_an_older_report_is_checked_against_its_own_label_from_its_validation_section():
+    """Reports written before the adaptation means held `plain` still carry the model's own validation accuracy."""
+    from tafl.packaging.export import validation_average
+    from tafl.prior import adaptive_check
+
+    old = {"prior_adaptation": {"validation": {"average": {"calibrated": 0.45, "adaptive_500": 0.50}}},
+           "validation": {"average_accuracy": 0.56}}
+    avg = validation_average(old)
+    assert avg["plain"] == 0.56 and not adaptive_check(avg)["recommended"]
+    assert validation_average({"validation": {"average_accuracy": 0.5}}) is None
+    new = {"prior_adaptation": {"validation": {"average": {"calibrated": 0.45, "plain": 0.49, "adaptive_500": 0.50}}},
+           "validation": {"average_accuracy": 0.56}}
+    assert validation_average(new)["plain"] == 0.49  # the means' own record wins

@@ -318,8 +318,17 @@ def _adaptive_check(ck_path: Path) -> dict[str, Any] | None:
     rep = ck_path.parent / "report.json"
     if not rep.is_file():
         return None
-    pa = json.loads(rep.read_text()).get("prior_adaptation") or {}
-    return adaptive_check((pa.get("validation") or {}).get("average"))
+    return adaptive_check(validation_average(json.loads(rep.read_text())))
+
+
+def validation_average(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The report's prior-adaptation means on the validation split, with the model's own label (`plain`) taken
+    from the report's validation section where an older report's adaptation means lack it."""
+    avg = ((report.get("prior_adaptation") or {}).get("validation") or {}).get("average")
+    if not avg:
+        return None
+    own = (report.get("validation") or {}).get("average_accuracy")
+    return dict(avg, plain=own) if avg.get("plain") is None and own is not None else avg
 
 
 def _metrics_from(ck_path: Path) -> dict[str, Any] | None:

@@ -551,7 +551,8 @@ def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState
                       ranks: np.ndarray) -> None:
     """Prior-aware inference in the report: per test distribution, the rule adapted to a prior estimated from
     n unlabeled images drawn with that distribution's prior (`adaptive`, per n), to the true prior (`oracle`),
-    and the calibrated model's own decision (`calibrated`); the same means on the validation split."""
+    the calibrated argmax (`calibrated`) and the model's own label (`plain`: what `prior=train` and a blocked
+    `prior=adaptive` serve); the same means on the validation split."""
     from tafl.prior import Calibration
 
     C = len(ds.class_names)
@@ -564,7 +565,8 @@ def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState
     for split, out, labels, target in (("test", test_out, ds.test.labels, report),
                                        ("validation", val_out, ds.val.labels, None)):
         probs = calib.probs(method.posterior_logits(out))
-        res = adaptation_accuracies(probs, labels, ranks, source, sizes, cfg.adapt_draws, cfg.test_seed)
+        res = adaptation_accuracies(probs, labels, ranks, source, sizes, cfg.adapt_draws, cfg.test_seed,
+                                    plain=out["label"])
         res["nll"] = float(-np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None)).mean())
         if target is not None:
             for name, d in res["distributions"].items():
@@ -576,10 +578,12 @@ def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState
 
 
 def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarray, source: np.ndarray,
-                          sizes: list[int], draws: int, seed: int, estimate=None) -> dict[str, Any]:
+                          sizes: list[int], draws: int, seed: int, estimate=None,
+                          plain: np.ndarray | None = None) -> dict[str, Any]:
     """Prior-weighted accuracies of the calibrated, adapted and oracle rules over the eleven distributions.
 
-    `estimate(probs_of_the_drawn_images) -> prior` is the prior estimator (default: EM, `em_prior`)."""
+    `estimate(probs_of_the_drawn_images) -> prior` is the prior estimator (default: EM, `em_prior`). `plain`, the
+    model's own labels for the same rows (an operating point, a vote), adds their accuracy as `plain`."""
     from tafl.prior import adapt, em_prior, total_variation
     from tafl.training.evaluate import per_class_accuracy
     from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
@@ -595,13 +599,16 @@ def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarr
 
     out: dict[str, Any] = {"distributions": {}}
     avg: dict[str, list[float]] = {"calibrated": [], "oracle": [], **{f"adaptive_{n}": [] for n in sizes},
-                                   **{f"tv_{n}": [] for n in sizes}}
+                                   **{f"tv_{n}": [] for n in sizes}, **({"plain": []} if plain is not None else {})}
     for i, (name, kind, imf) in enumerate(DISTRIBUTIONS):
         prior = distribution_prior(ranks, kind, imf)
         target = np.where(present, prior, 0.0)
         target = target / target.sum()
         d: dict[str, Any] = {"calibrated": weighted(probs.argmax(1), prior),
                              "oracle": weighted(adapt(probs, source, target).argmax(1), prior), "adaptive": {}}
+        if plain is not None:
+            d["plain"] = weighted(np.asarray(plain), prior)
+            avg["plain"].append(d["plain"])
         for n in sizes:
             accs, tvs = [], []
             for k in range(draws):

@@ -137,6 +137,26 @@ def test_training_reports_and_exports_the_operating_point(op_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_validation_check_compares_adapting_with_the_operating_point(op_run, tmp_path):
+    """`prior=adaptive` falls back to the model's own label, here the operating point; the report records that
+    label's accuracy beside the calibrated argmax's, and the package's check is read against it."""
+    import json
+
+    from tafl.packaging.export import export_checkpoint
+
+    report = json.loads((op_run / "report.json").read_text())
+    pa = report["prior_adaptation"]
+    assert pa["test"]["average"]["plain"] == pytest.approx(report["average_accuracy"], abs=1e-9)
+    assert pa["validation"]["average"]["plain"] == pytest.approx(report["validation"]["average_accuracy"], abs=1e-9)
+    for name, d in report["test_distributions"].items():
+        assert d["plain"] == pytest.approx(d["accuracy"], abs=1e-9), name
+    check = export_checkpoint(op_run / "final.pt", tmp_path / "pkg", name="op-check").metadata["prior"]["adaptive_check"]
+    assert check["against"] == "plain"
+    assert check["plain"] == pytest.approx(report["validation"]["average_accuracy"], abs=1e-9)
+    assert check["recommended"] == (check["adaptive"] >= check["plain"] - 0.01)
+
+
+@pytest.mark.slow
 def test_a_retrain_fits_its_own_operating_point_and_calibration(op_run, tmp_path):
     """A parent's operating point (and calibration) describe the parent's weights: a retrain does not inherit them."""
     import json
