@@ -109,7 +109,8 @@ def test_a_model_whose_validation_says_adaptation_hurts_is_not_adapted(gtafl_run
     run.mkdir()
     shutil.copy(gtafl_run / "final.pt", run / "final.pt")
     rep = json.loads((gtafl_run / "report.json").read_text())
-    rep["prior_adaptation"]["validation"]["average"].update(calibrated=0.48, adaptive_100=0.25, adaptive_500=0.26)
+    rep["prior_adaptation"]["validation"]["average"].update(calibrated=0.40, plain=0.48, adaptive_100=0.25,
+                                                            adaptive_500=0.26)
     (run / "report.json").write_text(json.dumps(rep))
     pkg = export_checkpoint(run / "final.pt", tmp_path / "pkg", name="derm-uncal")
     check = pkg.metadata["prior"]["adaptive_check"]
