@@ -20,8 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tafl.packaging.export import validation_average  # noqa: E402
-from tafl.prior import adaptive_check  # noqa: E402
+from tafl.prior import adaptive_check, validation_average  # noqa: E402
 
 
 def one(run: Path) -> dict:

@@ -427,8 +427,18 @@ def adaptive_check(validation: dict[str, Any] | None) -> dict[str, Any] | None:
         out["why"] = (f"on its validation split the rule adapted to an estimate from {n} images lost to the {rule} "
                       f"({100 * adapted:.1f} % against {100 * plain:.1f} %, mean of the eleven distributions): "
                       "its posteriors are not calibrated well enough for estimation; retrain with --calibration "
-                      "vector --calib_holdout 0.1 if it has none, or give the prior explicitly")
+                      "vector --calib-holdout 0.1 if it has none, or give the prior explicitly")
     return out
+
+
+def validation_average(report: dict[str, Any]) -> dict[str, Any] | None:
+    """A training report's prior-adaptation means on the validation split (what `adaptive_check` reads), with the
+    model's own label (`plain`) taken from the report's validation section where an older report lacks it."""
+    avg = ((report.get("prior_adaptation") or {}).get("validation") or {}).get("average")
+    if not avg:
+        return None
+    own = (report.get("validation") or {}).get("average_accuracy")
+    return dict(avg, plain=own) if avg.get("plain") is None and own is not None else avg
 
 
 def adaptive_blocked(prior_meta: dict[str, Any] | None) -> str | None:

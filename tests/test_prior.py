@@ -257,8 +257,7 @@ def test_the_validation_check_blocks_adaptation_where_it_lost_on_validation(monk
 
 def test_an_older_report_is_checked_against_its_own_label_from_its_validation_section():
     """Reports written before the adaptation means held `plain` still carry the model's own validation accuracy."""
-    from tafl.packaging.export import validation_average
-    from tafl.prior import adaptive_check
+    from tafl.prior import adaptive_check, validation_average
 
     old = {"prior_adaptation": {"validation": {"average": {"calibrated": 0.45, "adaptive_500": 0.50}}},
            "validation": {"average_accuracy": 0.56}}

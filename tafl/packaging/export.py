@@ -313,22 +313,12 @@ def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size:
 
 def _adaptive_check(ck_path: Path) -> dict[str, Any] | None:
     """tafl.prior.adaptive_check of the run's validation split (report.json), or None without one."""
-    from tafl.prior import adaptive_check
+    from tafl.prior import adaptive_check, validation_average
 
     rep = ck_path.parent / "report.json"
     if not rep.is_file():
         return None
     return adaptive_check(validation_average(json.loads(rep.read_text())))
-
-
-def validation_average(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The report's prior-adaptation means on the validation split, with the model's own label (`plain`) taken
-    from the report's validation section where an older report's adaptation means lack it."""
-    avg = ((report.get("prior_adaptation") or {}).get("validation") or {}).get("average")
-    if not avg:
-        return None
-    own = (report.get("validation") or {}).get("average_accuracy")
-    return dict(avg, plain=own) if avg.get("plain") is None and own is not None else avg
 
 
 def _metrics_from(ck_path: Path) -> dict[str, Any] | None:
