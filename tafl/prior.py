@@ -303,19 +303,27 @@ class PriorEstimate:
 
 
 def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter: int = 200,
-             floor: float = 1e-8, pseudo_count: float = 0.0) -> PriorEstimate:
+             floor: float = 1e-8, pseudo_count: float = 0.0, center: np.ndarray | None = None) -> PriorEstimate:
     """Saerens et al.'s EM: the maximum-likelihood class prior of unlabeled images.
 
     probs (N, C) calibrated posteriors under `source` (C,). Vectorised over images; stops when
     no class's prior moves by more than `tol` or after `max_iter` iterations. `pseudo_count` adds
-    that many images' worth of the source prior to every M-step (a Dirichlet MAP estimate). With no
-    images the estimate is the source prior.
+    that many images' worth of `center` (default: the source prior) to every M-step: the MAP estimate
+    under a Dirichlet prior of mean `center` (`PriorEstimator`). With no images the estimate is the
+    source prior.
     """
     p = np.asarray(probs, np.float64)
     src = np.clip(np.asarray(source, np.float64), floor, None)
     src = src / src.sum()
     if p.ndim != 2 or p.shape[1] != len(src):
         raise ValueError(f"probs must be (N, {len(src)}), got {p.shape}")
+    if center is None:
+        mid = src
+    else:
+        mid = np.asarray(center, np.float64)
+        if mid.shape != src.shape or not np.isfinite(mid).all() or (mid < 0).any() or mid.sum() <= 0:
+            raise ValueError(f"center must be {len(src)} non-negative numbers, got {mid.tolist()}")
+        mid = mid / mid.sum()
     if len(p) == 0:
         return PriorEstimate(src.copy(), 0, 0, False, 0.0)
     ratio = p / src  # p(y|x)/π_y; the E-step posterior of image i is ratio_i·q / (ratio_i · q)
@@ -327,7 +335,7 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
     for it in range(1, max_iter + 1):
         # M-step without forming the (N, C) posteriors: q'_c = q_c · mean_i ratio_ic / (ratio_i · q)
         inv = 1.0 / np.maximum(ratio @ q, 1e-300)
-        new = np.maximum((q * (ratio_t @ inv) + pseudo_count * src) / (n + pseudo_count), floor)
+        new = np.maximum((q * (ratio_t @ inv) + pseudo_count * mid) / (n + pseudo_count), floor)
         new /= new.sum()
         if float(np.abs(new - q).max()) < tol:
             q = new
@@ -335,6 +343,59 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
             break
         q = new
     return PriorEstimate(q, len(p), it, converged, total_variation(q, src))
+
+
+SMOOTHING_GRID = (0.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0)  # pseudo-images, chosen among on validation
+CENTERS = ("uniform", "source")
+
+
+@dataclass
+class PriorEstimator:
+    """How a deployment's class mix is estimated from its calibrated posteriors: EM, with `pseudo_count` images'
+    worth of a Dirichlet prior of mean `center` (uniform, or the source prior) added to every M-step.
+
+    pseudo_count 0 is the maximum-likelihood estimate of Saerens et al. That estimate runs to the simplex's edge:
+    with a few hundred images and posteriors calibrated on a few dozen images of a rare class, EM gives that class
+    a prior of ~0, and the Bayes rule then never predicts it (measured: docs/decisions.md §2.6). The symmetric
+    Dirichlet (center uniform) keeps every class in play and fades as images accumulate: at n images the
+    estimate is a weighted mean of the data's n and the prior's pseudo_count. Training chooses pseudo_count
+    on the validation split (`tafl.training.simulator.choose_prior_estimator`); `record` keeps how.
+    """
+
+    pseudo_count: float = 0.0
+    center: str = "uniform"
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def center_prior(self, source: np.ndarray) -> np.ndarray:
+        src = np.asarray(source, np.float64)
+        return np.full(len(src), 1.0 / len(src)) if self.center == "uniform" else src / src.sum()
+
+    def estimate(self, probs: np.ndarray, source: np.ndarray, **kw: Any) -> PriorEstimate:
+        return em_prior(probs, source, pseudo_count=self.pseudo_count, center=self.center_prior(source), **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "em", "pseudo_count": float(self.pseudo_count), "center": self.center, **self.record}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> PriorEstimator:
+        """A checkpoint's or package's record; None (older ones) is the maximum-likelihood EM they were built with."""
+        if not d:
+            return cls(0.0, "source")
+        try:
+            a = float(d.get("pseudo_count", 0.0))
+        except (TypeError, ValueError):
+            raise ConfigError(f"prior estimator pseudo_count must be a number, got {d.get('pseudo_count')!r}") from None
+        center = str(d.get("center", "uniform"))
+        if not (math.isfinite(a) and a >= 0):
+            raise ConfigError(f"prior estimator pseudo_count must be a finite number >= 0, got {a}")
+        if center not in CENTERS:
+            raise ConfigError(f"prior estimator center must be one of {', '.join(CENTERS)}, got {center!r}")
+        return cls(a, center, {k: v for k, v in d.items() if k not in ("kind", "pseudo_count", "center")})
+
+    def describe(self) -> str:
+        if not self.pseudo_count:
+            return "EM (maximum likelihood)"
+        return f"EM with a Dirichlet prior of {self.pseudo_count:g} images toward the {self.center} mix"
 
 
 # ------------------------------------------------------------------ confusion-based estimation

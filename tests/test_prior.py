@@ -267,3 +267,79 @@ def test_an_older_report_is_checked_against_its_own_label_from_its_validation_se
     new = {"prior_adaptation": {"validation": {"average": {"calibrated": 0.45, "plain": 0.49, "adaptive_500": 0.50}}},
            "validation": {"average_accuracy": 0.56}}
     assert validation_average(new)["plain"] == 0.49  # the means' own record wins
+
+
+def test_the_dirichlet_smoothed_estimate_keeps_every_class_that_maximum_likelihood_drops():
+    """Identical rows that favour class 1: the likelihood is largest at the simplex's corner, so maximum-likelihood
+    EM gives class 0 a prior of ~0 and the Bayes rule would never call it again. The smoothed estimate keeps it at
+    no less than the prior's share, α·u / (n + α), and tends to the centre as α grows."""
+    from tafl.prior import PriorEstimator
+
+    src = np.array([0.5, 0.5])
+    P = np.tile([0.3, 0.7], (200, 1))
+    mle = em_prior(P, src, max_iter=2000)
+    assert mle.prior[0] < 1e-3
+    smooth = PriorEstimator(100.0, "uniform").estimate(P, src, max_iter=2000)
+    assert smooth.prior[0] >= 100 * 0.5 / 300 - 1e-9 and smooth.prior[1] > smooth.prior[0]
+    far = PriorEstimator(1e7, "uniform").estimate(P, src)
+    assert np.allclose(far.prior, [0.5, 0.5], atol=1e-3)
+    # the centre is a parameter: toward the source prior, as em_prior's pseudo_count always was
+    skew = np.array([0.9, 0.1])
+    toward_src = PriorEstimator(1e7, "source").estimate(P, skew)
+    assert np.allclose(toward_src.prior, skew, atol=1e-3)
+    assert np.allclose(PriorEstimator(0.0).estimate(P, src).prior, mle.prior, atol=1e-6)
+    with pytest.raises(ValueError, match="center"):
+        em_prior(P, src, pseudo_count=1.0, center=np.array([1.0, -1.0]))
+
+
+def test_the_estimator_record_round_trips_and_bad_records_are_refused():
+    from tafl.prior import PriorEstimator
+
+    est = PriorEstimator(400.0, "uniform", {"chosen": "validation", "scores": {"0": 0.5, "400": 0.55}})
+    back = PriorEstimator.from_dict(est.to_dict())
+    assert back == est and back.to_dict()["kind"] == "em"
+    assert "400 images toward the uniform mix" in back.describe()
+    old = PriorEstimator.from_dict(None)  # a package from before the record: the maximum-likelihood EM
+    assert old.pseudo_count == 0 and old.describe() == "EM (maximum likelihood)"
+    for bad, why in (({"pseudo_count": -1}, ">= 0"), ({"pseudo_count": float("nan")}, ">= 0"),
+                     ({"pseudo_count": "many"}, "a number"), ({"pseudo_count": 5, "center": "median"}, "center")):
+        with pytest.raises(ConfigError, match=why):
+            PriorEstimator.from_dict(bad)
+
+
+def test_the_smoothing_is_chosen_on_the_rows_given_and_ties_keep_the_smaller():
+    from tafl.prior import SMOOTHING_GRID
+    from tafl.training.simulator import select_prior_smoothing
+
+    ranks = np.argsort(np.argsort(-SOURCE))
+    # exact posteriors: maximum likelihood is right, and heavy smoothing only drags the estimate to the centre
+    z, y = _draw(SOURCE, 1500, 3)
+    est = select_prior_smoothing(softmax(z), y, ranks, SOURCE, [100, 500], 3, 0)
+    scores = est.record["scores"]
+    assert set(scores) == {f"{a:g}" for a in SMOOTHING_GRID} and est.record["chosen"] == "validation"
+    assert scores[f"{est.pseudo_count:g}"] == max(scores.values())
+    assert est.pseudo_count <= 50 and scores["1600"] < scores["0"] - 0.01
+    # posteriors that decide alone (one-hot): every smoothing scores the same, and the smallest is kept
+    flat = select_prior_smoothing(np.eye(C)[y], y, ranks, SOURCE, [100], 2, 0)
+    assert len(set(flat.record["scores"].values())) == 1 and flat.pseudo_count == 0
+
+
+def test_the_services_window_estimates_with_the_packages_estimator():
+    """PriorMonitor (tafl.serving.runtime): the EM that runs off the event loop is the package's estimator."""
+    import time
+
+    from tafl.prior import PriorEstimator
+    from tafl.serving.runtime import PriorMonitor
+
+    src = np.array([0.5, 0.5])
+    rows = np.tile([0.3, 0.7], (40, 1))
+    got = {}
+    for name, est in (("mle", None), ("smooth", PriorEstimator(40.0, "uniform"))):
+        mon = PriorMonitor(src, window=40, refresh=40, min_images=10, estimator=est)
+        mon.add(rows)
+        deadline = time.time() + 10
+        while mon.current()[0] is None and time.time() < deadline:
+            time.sleep(0.01)
+        got[name] = mon.current()[0]
+        assert mon.describe()["estimator"]["pseudo_count"] == (0.0 if est is None else 40.0)
+    assert got["mle"][0] < 0.01 and got["smooth"][0] >= 40 * 0.5 / 80 - 1e-9

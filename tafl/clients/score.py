@@ -400,9 +400,10 @@ def _explicit_ratio(meta: dict[str, Any], prior: str) -> np.ndarray:
 
 
 def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Estimate the folder's class mix from every scored row's calibrated posteriors (EM) and rewrite the
-    results file, atomically, with each row's decision for that mix beside its plain one."""
-    from tafl.prior import adapt, adaptive_blocked, em_prior
+    """Estimate the folder's class mix from every scored row's calibrated posteriors (the package's estimator:
+    EM, smoothed as metadata prior.estimator says) and rewrite the results file, atomically, with each row's
+    decision for that mix beside its plain one."""
+    from tafl.prior import PriorEstimator, adapt, adaptive_blocked
 
     names = meta["class_names"]
     C = len(names)
@@ -430,10 +431,11 @@ def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
                                           f"{MIN_ADAPTIVE_IMAGES}); the adaptive columns repeat the source prior's "
                                           "decision")
     else:
-        est = em_prior(P, src)
+        estimator = PriorEstimator.from_dict(meta["prior"].get("estimator"))
+        est = estimator.estimate(P, src)
         q = est.prior
         info.update(used="adaptive", estimate=dict(zip(names, map(float, q))), shift_from_source=est.shift,
-                    iterations=est.iterations, converged=est.converged)
+                    iterations=est.iterations, converged=est.converged, estimator=estimator.to_dict())
     decided = adapt(P, src, q).argmax(1) if len(P) else np.zeros(0, np.int64)
     by_path = {r["path"]: int(d) for r, d in zip(scored, decided)}
     counts: dict[str, int] = {}

@@ -30,6 +30,22 @@ def _codes_line(m: dict[str, Any]) -> str:
     return text
 
 
+def _prior_line(pr: dict[str, Any]) -> str:
+    """How the package decides for another class mix: its calibration, and how `prior=adaptive` estimates the mix."""
+    from tafl.prior import PriorEstimator
+
+    est = pr.get("estimator") or {}
+    how = PriorEstimator.from_dict(est).describe()
+    if est.get("chosen") == "validation":
+        how += f" (the smoothing chosen on {est.get('validation_images', '?')} validation images)"
+    check = pr.get("adaptive_check") or {}
+    text = (f"Posteriors: {pr.get('posteriors')}, calibration **{pr.get('calibration')}**. An explicit prior decides "
+            f"by the Bayes rule; `prior=adaptive` estimates the served mix by {how}.")
+    if check and not check.get("recommended", True):
+        text += " On this model's validation split adapting lost to its own decision, so `prior=adaptive` keeps the source prior."
+    return text
+
+
 def render_card(m: dict[str, Any]) -> str:
     cfg = m["training"]["run_config"]
     lines = [f"# {m['name']} {m['version']}", "",
@@ -55,7 +71,10 @@ def render_card(m: dict[str, Any]) -> str:
         lines += ["", "## Experts and vote", "",
                   "Experts, in output order: " + ", ".join(f"{e['name']} (weight {e['weight']:g})" for e in m["experts"])
                   + f". Rule: {m['vote']['rule']}; {m['vote']['tie_break']}."]
-    lines += ["", f"Heatmap: {m['heatmap']}.", "", "## Metrics", ""]
+    lines += ["", f"Heatmap: {m['heatmap']}."]
+    if m.get("prior"):
+        lines += ["", "## Case mix (`prior=`)", "", _prior_line(m["prior"])]
+    lines += ["", "## Metrics", ""]
     met = m.get("metrics")
     if met:
         lines += [f"{met['source']}. Mean over the eleven test distributions: **{_pct(met['average_accuracy'])}**.", "",

@@ -311,6 +311,14 @@ def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size:
     return [{"name": n, "shape": desc[n][0], "dtype": desc[n][1], "description": desc[n][2]} for n in names]
 
 
+def _estimator_spec(ck: dict[str, Any]) -> dict[str, Any]:
+    """How `prior=adaptive` estimates the case mix (tafl.prior.PriorEstimator): the run's choice, or, for a
+    checkpoint from before it was recorded, the maximum-likelihood EM those runs were evaluated with."""
+    from tafl.prior import PriorEstimator
+
+    return PriorEstimator.from_dict((ck["state"].get("meta") or {}).get("prior_estimator")).to_dict()
+
+
 def _adaptive_check(ck_path: Path) -> dict[str, Any] | None:
     """tafl.prior.adaptive_check of the run's validation split (report.json), or None without one."""
     from tafl.prior import adaptive_check, validation_average
@@ -499,6 +507,7 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
                   "bias": calibration["bias"], "class_scale": calibration.get("class_scale"),
                   "source_prior": calibration["source_prior"],
                   "fit": calibration.get("fit", {}),
+                  "estimator": _estimator_spec(ck),
                   "adaptive_check": adaptive},
         "heatmap": "attention rollout of the shared extractor" if mcfg.is_vit else
                    "class activation map of the predicted class",

@@ -246,12 +246,17 @@ class Batcher:
 
 class PriorMonitor:
     """The case mix a model is served, estimated from a window of its recent calibrated probability vectors
-    (tafl.prior.em_prior; no image is kept). `add` is cheap and runs on the event loop; the EM runs in its own
+    (the package's tafl.prior.PriorEstimator; no image is kept). `add` is cheap and runs on the event loop; the EM runs in its own
     thread every `refresh` images, so estimation never blocks or fails a prediction."""
 
     def __init__(self, source: np.ndarray, window: int = 500, refresh: int = 50, min_images: int = 100,
-                 blocked: str | None = None):
+                 blocked: str | None = None, estimator: Any = None):
         from collections import deque
+
+        from tafl.prior import PriorEstimator
+
+        # the package's estimator (metadata prior.estimator; None: the maximum-likelihood EM)
+        self.estimator = estimator if estimator is not None else PriorEstimator.from_dict(None)
 
         # why prior=adaptive must not decide for this model (tafl.prior.adaptive_check); the estimate is still kept
         # and exported as the case-mix drift signal
@@ -280,10 +285,8 @@ class PriorMonitor:
             self.pool.submit(self._refresh, snapshot)
 
     def _refresh(self, rows: np.ndarray) -> None:
-        from tafl.prior import em_prior
-
         try:
-            est = em_prior(rows, self.source)
+            est = self.estimator.estimate(rows, self.source)
             with self.lock:
                 self.estimate, self.updated_at = est, time.time()
         except Exception:  # noqa: BLE001 - an estimate is advice; it never fails the service
@@ -310,6 +313,7 @@ class PriorMonitor:
             est, at, n = self.estimate, self.updated_at, len(self.rows)
         return {"source_prior": [float(v) for v in self.source], "window": self.window, "refresh": self.refresh,
                 "min_images": self.min_images, "images_in_window": n, "adaptive_blocked": self.blocked,
+                "estimator": self.estimator.to_dict(),
                 "estimate": est.to_dict() if est is not None else None,
                 "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at)) if at else None}
 
@@ -390,11 +394,13 @@ class ModelRegistry:
                 feed["log_prior_ratio"] = ratios
             return dict(zip(out_names, session.run(out_names, feed)))
 
-        from tafl.prior import adaptive_blocked
+        from tafl.prior import PriorEstimator, adaptive_blocked
 
         monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
                                self.prior_refresh, self.prior_min_images,
-                               blocked=adaptive_blocked(pkg.metadata.get("prior"))) if takes_prior else None
+                               blocked=adaptive_blocked(pkg.metadata.get("prior")),
+                               estimator=PriorEstimator.from_dict(pkg.metadata["prior"].get("estimator"))) \
+            if takes_prior else None
         return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, label or ref,
                            monitor=monitor)
 

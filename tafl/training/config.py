@@ -137,6 +137,10 @@ class RunConfig:
     decision: str = "argmax"
     adapt_sizes: str = "100,500"  # unlabeled images per prior estimate in the evaluation, comma-separated
     adapt_draws: int = 5  # draws of unlabeled images per distribution and size in the evaluation
+    # the case-mix estimator's Dirichlet smoothing toward the uniform mix, in pseudo-images (tafl.prior.PriorEstimator):
+    # auto (chosen on the validation split among tafl.prior.SMOOTHING_GRID, docs/decisions.md §2.6) or a number >= 0
+    # (0: the maximum-likelihood EM)
+    prior_smoothing: str | float = "auto"
     # --- ViT-DAFL (docs/design.md §5) ---
     loss: str = "dafl"  # dafl | focal | ce (the loss ablation)
     gamma_init: float = 2.0  # focusing parameter γ at the start (learnable for dafl unless gamma_fixed)
@@ -172,6 +176,19 @@ class RunConfig:
     # ------------------------------------------------------------------
     def adapt_size_list(self) -> list[int]:
         return [int(v) for v in str(self.adapt_sizes).split(",") if v.strip()]
+
+    def prior_smoothing_value(self) -> float | None:
+        """None for auto (chosen on validation), else the fixed pseudo-count; ValueError for anything else."""
+        raw = str(self.prior_smoothing).strip().lower()
+        if raw == "auto":
+            return None
+        try:
+            v = float(raw)
+        except ValueError:
+            raise ValueError(f"must be auto or a number of pseudo-images >= 0, got {self.prior_smoothing!r}") from None
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"must be auto or a finite number >= 0, got {self.prior_smoothing!r}")
+        return v
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -313,6 +330,10 @@ class RunConfig:
             sizes = []
         if not sizes or min(sizes) < 1:
             raise bad("adapt_sizes", "must be comma-separated image counts >= 1, e.g. 100,500")
+        try:
+            self.prior_smoothing_value()
+        except ValueError as exc:
+            raise bad("prior_smoothing", str(exc)) from None
         if self.device not in ("cpu", "cuda", "auto"):
             raise bad("device", "choose cpu, cuda or auto")
         if self.dataset == "folder" and (not self.data_root or not self.labels):

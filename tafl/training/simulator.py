@@ -202,9 +202,9 @@ def _initial_state(method: Method, transport: Transport, prep: Prepared,
     state = method.init_state(prep.train_counts)
     if init_from is not None:
         start_state = GlobalState.from_dict(init_from["state"])
-        # the parent's calibration and operating point describe the parent's weights: the retrained model fits its
+        # the parent's calibration, operating point and case-mix estimator describe the parent's weights: the retrained model fits its
         # own (they are carried through every round's meta otherwise, and a stale one would skip the new fit)
-        meta = {k: v for k, v in start_state.meta.items() if k not in ("calibration", "decision")}
+        meta = {k: v for k, v in start_state.meta.items() if k not in ("calibration", "decision", "prior_estimator")}
         state = GlobalState(start_state.weights, {**state.extras, **start_state.extras},
                             {**meta, "client_counts": {}, "round": 0})
     method.round_config(state, transport.census(), 0)
@@ -283,6 +283,8 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
         kept = GlobalState(kept.weights, kept.extras, dict(kept.meta, calibration=identity.to_dict()))
     if cfg.decision == "validation" and "decision" not in kept.meta:
         kept = choose_operating_point(method, kept, ds, cfg)
+    if "prior_estimator" not in kept.meta:
+        kept = choose_prior_estimator(method, kept, ds, cfg, np.asarray(common["class_ranks"]))
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")
@@ -308,6 +310,56 @@ def choose_operating_point(method: Method, state: GlobalState, ds: Dataset, cfg:
              "at the argmax)", rec["tau"], rec["validation_images"], 100 * rec["scores"][f"{rec['tau']:.1f}"],
              100 * base)
     return GlobalState(state.weights, state.extras, dict(state.meta, decision=rec))
+
+
+def choose_prior_estimator(method: Method, state: GlobalState, ds: Dataset, cfg: RunConfig,
+                           ranks: np.ndarray) -> GlobalState:
+    """The case-mix estimator's smoothing (tafl.prior.PriorEstimator), recorded in the state's meta: the report, the
+    package, the service and `tafl score --prior adaptive` all estimate with it. `prior_smoothing: auto` chooses the
+    pseudo-count on the validation split (`select_prior_smoothing`); a number fixes it; without a validation split,
+    auto is the maximum-likelihood EM (0). `ranks`: the training classes' frequency ranks (the eleven distributions)."""
+    from tafl.prior import Calibration, PriorEstimator
+
+    fixed = cfg.prior_smoothing_value()
+    C = len(ds.class_names)
+    if fixed is not None or len(ds.val.labels) == 0:
+        est = PriorEstimator(fixed or 0.0, "uniform", {"chosen": "config" if fixed is not None else "no validation split"})
+    else:
+        calib = Calibration.from_dict(state.meta.get("calibration"), C)
+        source = calib.source_prior if calib.source_prior is not None else method.default_source_prior(state)
+        module = method.inference_model(state).to(method.device)
+        out = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
+        probs = calib.probs(method.posterior_logits(out))
+        est = select_prior_smoothing(probs, ds.val.labels, ranks, source, cfg.adapt_size_list(), cfg.adapt_draws,
+                                     cfg.test_seed)
+        scores = est.record["scores"]
+        log.info("case-mix estimator: %s, chosen on %d validation images (mean adapted accuracy %.1f%% against %.1f%% "
+                 "for the maximum-likelihood EM)", est.describe(), len(ds.val.labels),
+                 100 * scores[f"{est.pseudo_count:g}"], 100 * scores["0"])
+    return GlobalState(state.weights, state.extras, dict(state.meta, prior_estimator=est.to_dict()))
+
+
+def select_prior_smoothing(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarray, source: np.ndarray,
+                           sizes: list[int], draws: int, seed: int, grid: tuple[float, ...] | None = None):
+    """The pseudo-count (tafl.prior.SMOOTHING_GRID) whose uniform-centred estimator scores best on labelled rows:
+    the mean over `sizes` of the eleven distributions' mean prior-weighted accuracy of the rule adapted to its
+    estimate (`adaptation_accuracies`, the report's protocol, on these rows). Ties: the smaller pseudo-count,
+    nearer the maximum-likelihood EM. Returns the tafl.prior.PriorEstimator, its record holding every score."""
+    from tafl.prior import SMOOTHING_GRID, PriorEstimator
+
+    grid = SMOOTHING_GRID if grid is None else grid
+    scores = {}
+    for a in grid:
+        est = PriorEstimator(float(a), "uniform")
+        avg = adaptation_accuracies(probs, labels, ranks, source, sizes, draws, seed,
+                                    estimate=lambda p, e=est: e.estimate(p, source).prior)["average"]
+        scores[f"{a:g}"] = float(np.mean([avg[f"adaptive_{n}"] for n in sizes]))
+    vals = np.round(np.array(list(scores.values())), 12)
+    best = float(grid[int(np.argmax(vals))])  # first maximum: the smallest pseudo-count among ties
+    return PriorEstimator(best, "uniform", {
+        "chosen": "validation", "criterion": f"the mean over n = {', '.join(map(str, sizes))} of the eleven "
+        "distributions' prior-weighted accuracy, adapted to the estimate from n images", "validation_images": int(len(labels)),
+        "scores": scores})
 
 
 def _check_compatible(ck: dict[str, Any], prep: Prepared) -> None:
@@ -553,20 +605,21 @@ def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState
     n unlabeled images drawn with that distribution's prior (`adaptive`, per n), to the true prior (`oracle`),
     the calibrated argmax (`calibrated`) and the model's own label (`plain`: what `prior=train` and a blocked
     `prior=adaptive` serve); the same means on the validation split."""
-    from tafl.prior import Calibration
+    from tafl.prior import Calibration, PriorEstimator
 
     C = len(ds.class_names)
     calib = Calibration.from_dict(state.meta.get("calibration"), C)
     source = calib.source_prior if calib.source_prior is not None else method.default_source_prior(state)
     sizes = cfg.adapt_size_list()
+    estimator = PriorEstimator.from_dict(state.meta.get("prior_estimator"))
     sec = {"calibration": calib.to_dict(), "source_prior": [float(v) for v in source],
            "calibrated": calib.kind != "none", "sizes": sizes, "draws": cfg.adapt_draws,
-           "posteriors": method.posterior_description()}
+           "posteriors": method.posterior_description(), "estimator": estimator.to_dict()}
     for split, out, labels, target in (("test", test_out, ds.test.labels, report),
                                        ("validation", val_out, ds.val.labels, None)):
         probs = calib.probs(method.posterior_logits(out))
         res = adaptation_accuracies(probs, labels, ranks, source, sizes, cfg.adapt_draws, cfg.test_seed,
-                                    plain=out["label"])
+                                    estimate=lambda p: estimator.estimate(p, source).prior, plain=out["label"])
         res["nll"] = float(-np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None)).mean())
         if target is not None:
             for name, d in res["distributions"].items():

@@ -381,7 +381,7 @@ def _digit_folder(root: Path, n: int = 60) -> Path:
 
 
 def test_score_with_an_adaptive_prior_re_decides_every_row_without_a_second_inference(server, gtafl_pkg, tmp_path):
-    from tafl.prior import adapt, em_prior
+    from tafl.prior import PriorEstimator, adapt
 
     folder = _digit_folder(tmp_path)
     local = score_folder(folder, tmp_path / "local.csv", package=str(gtafl_pkg), batch_size=16, progress=False,
@@ -394,8 +394,11 @@ def test_score_with_an_adaptive_prior_re_decides_every_row_without_a_second_infe
     rows = _rows(tmp_path / "local.csv")
     C = len(load_package(gtafl_pkg).class_names)
     P = np.array([[float(r[f"p{c}"]) for c in range(C)] for r in rows])
-    src = np.asarray(load_package(gtafl_pkg).metadata["prior"]["source_prior"])
-    q = em_prior(P, src).prior  # the summary's estimate is EM over the rows the file keeps
+    meta = load_package(gtafl_pkg).metadata
+    src = np.asarray(meta["prior"]["source_prior"])
+    # the summary's estimate is the package's estimator (EM with its chosen smoothing) over the rows the file keeps
+    assert pr["estimator"] == meta["prior"]["estimator"]
+    q = PriorEstimator.from_dict(meta["prior"]["estimator"]).estimate(P, src).prior
     assert np.allclose(q, [pr["estimate"][n] for n in load_package(gtafl_pkg).class_names])
     assert [int(r["adaptive_label"]) for r in rows] == adapt(P, src, q).argmax(1).tolist()
     assert sum(m["adaptive_predicted"] for m in local["class_mix"]) == 60

@@ -73,7 +73,7 @@ def test_a_bad_explicit_prior_is_a_400_with_a_message(prior_server, bad, why):
     assert why in r.json()["error"]["message"]
 
 
-def test_adaptive_falls_back_until_enough_images_then_follows_the_served_mix(prior_server):
+def test_adaptive_falls_back_until_enough_images_then_follows_the_served_mix(prior_server, gtafl_pkg):
     first = post(prior_server, 2, prior="adaptive").json()
     assert first["prior"]["used"] == "train" and first["prior"]["requested"] == "adaptive"
     assert "fallback" in first["prior"]
@@ -90,6 +90,7 @@ def test_adaptive_falls_back_until_enough_images_then_follows_the_served_mix(pri
     assert abs(sum(b["prior"]["prior"].values()) - 1) < 1e-6 and 0 <= b["prior"]["shift_from_source"] <= 1
     mix = httpx.get(f"{prior_server.url}/models", timeout=30).json()["models"][0]["case_mix"]
     assert mix["estimate"]["images"] >= MIN_IMAGES and mix["images_in_window"] <= 64
+    assert mix["estimator"] == load_package(gtafl_pkg).metadata["prior"]["estimator"]  # the package's smoothing
     metrics = httpx.get(f"{prior_server.url}/metrics", timeout=30).text
     assert "tafl_case_mix_estimate" in metrics and "tafl_case_mix_shift" in metrics
 

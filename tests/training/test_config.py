@@ -32,6 +32,8 @@ def test_unknown_key_names_the_key_and_suggests(tmp_path):
 @pytest.mark.parametrize("key,value,match", [
     ("imbalance_factor", 0.5, ">= 1"), ("alpha", 0.0, "> 0"), ("alpha", -1.0, "> 0"), ("frac", 1.5, "fraction"),
     ("rounds", 0, ">= 1"), ("method", "fedsgd", "unknown method"), ("channels", 2, "1 or 3"),
+    ("prior_smoothing", "lots", "auto or a number"), ("prior_smoothing", -5, "finite number >= 0"),
+    ("prior_smoothing", "nan", "finite number >= 0"),
 ])
 def test_bad_values_are_rejected(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -83,3 +85,11 @@ def test_methods_come_from_the_one_registry(monkeypatch):
     code = ("import sys; from tafl.training.config import RunConfig; RunConfig.from_dict({'method': 'gtafl'})"
             ".validate(); assert 'torch' not in sys.modules, 'torch'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_prior_smoothing_is_auto_or_a_number_from_yaml_or_a_flag(tmp_path):
+    assert RunConfig().validate().prior_smoothing_value() is None  # auto: chosen on validation
+    f = tmp_path / "c.yaml"
+    f.write_text("prior_smoothing: 400\n")
+    assert load_config(f).prior_smoothing_value() == 400.0
+    assert load_config(f, {"prior_smoothing": "0"}).prior_smoothing_value() == 0.0

@@ -157,6 +157,47 @@ def test_the_validation_check_compares_adapting_with_the_operating_point(op_run,
 
 
 @pytest.mark.slow
+def test_the_case_mix_estimator_is_chosen_on_validation_and_travels_to_the_package(op_run, tmp_path):
+    """The smoothing is chosen on the validation split by the protocol the report then applies: the chosen score is
+    the report's own validation mean of the adapted rule; the checkpoint, the report, the package and its card
+    carry the same record."""
+    import json
+
+    from tafl.packaging.export import export_checkpoint
+    from tafl.prior import SMOOTHING_GRID, PriorEstimator
+    from tafl.training.checkpoint import load_checkpoint
+
+    report = json.loads((op_run / "report.json").read_text())
+    pa = report["prior_adaptation"]
+    rec = pa["estimator"]
+    assert rec["kind"] == "em" and rec["center"] == "uniform" and rec["chosen"] == "validation"
+    assert rec["pseudo_count"] in SMOOTHING_GRID and rec["validation_images"] > 0
+    assert rec["scores"][f"{rec['pseudo_count']:g}"] == max(rec["scores"].values())
+    val = pa["validation"]["average"]
+    assert rec["scores"][f"{rec['pseudo_count']:g}"] == pytest.approx(
+        np.mean([val[f"adaptive_{n}"] for n in pa["sizes"]]), abs=1e-9)
+    assert load_checkpoint(op_run / "final.pt")["state"]["meta"]["prior_estimator"] == rec
+    pkg = export_checkpoint(op_run / "final.pt", tmp_path / "pkg", name="op-estimator")
+    assert pkg.metadata["prior"]["estimator"] == rec
+    assert PriorEstimator.from_dict(rec).describe() in (tmp_path / "pkg" / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_fixed_smoothing_is_kept_as_configured(tmp_path):
+    import json
+
+    from tafl.training.config import load_config
+    from tafl.training.simulator import train
+
+    from tests.conftest import CONFIGS
+
+    out = tmp_path / "fixed"
+    train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1, "prior_smoothing": 37}), out, progress=False)
+    rec = json.loads((out / "report.json").read_text())["prior_adaptation"]["estimator"]
+    assert rec["pseudo_count"] == 37.0 and rec["chosen"] == "config" and "scores" not in rec
+
+
+@pytest.mark.slow
 def test_a_retrain_fits_its_own_operating_point_and_calibration(op_run, tmp_path):
     """A parent's operating point (and calibration) describe the parent's weights: a retrain does not inherit them."""
     import json
@@ -169,11 +210,14 @@ def test_a_retrain_fits_its_own_operating_point_and_calibration(op_run, tmp_path
 
     parent = load_checkpoint(op_run / "final.pt")
     parent["state"]["meta"]["decision"] = dict(parent["state"]["meta"]["decision"], tau=9.9, offset=[5.0] * 10)
+    parent["state"]["meta"]["prior_estimator"] = {"kind": "em", "pseudo_count": 12345.0, "center": "uniform"}
     out = tmp_path / "child"
     train(load_config(CONFIGS / "smoke.yaml", {"decision": "validation", "imbalance_factor": 50, "rounds": 1}), out,
           progress=False, init_from=parent)
-    rec = json.loads((out / "report.json").read_text())["decision"]
+    report = json.loads((out / "report.json").read_text())
+    rec = report["decision"]
     assert rec["tau"] in GRID and rec["offset"] != [5.0] * 10
+    assert report["prior_adaptation"]["estimator"]["pseudo_count"] != 12345.0  # its own, chosen on validation
 
 
 @pytest.mark.slow
