@@ -122,6 +122,13 @@ def open_run(run: str | Path, data_root: str | None = None):
 CALIBRATIONS = {"none": "none", "BCTS on validation": "bcts", "vector on validation": "vector"}
 
 
+def ms(vals, pct=True) -> str:
+    """mean ± sd of the runs' values (× 100 and two decimals for a share; three decimals otherwise)."""
+    vals = [100 * v if pct else v for v in vals]
+    f = "{:.2f}" if pct else "{:.3f}"
+    return (f + " ± " + f).format(statistics.mean(vals), statistics.stdev(vals)) if len(vals) > 1 else f.format(vals[0])
+
+
 def main() -> None:
     from tafl.prior import total_variation
     from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
@@ -200,11 +207,6 @@ def main() -> None:
     out = REPO / "benchmarks" / "results"
     (out / f"{a.name}.json").write_text(json.dumps({"runs": a.runs, "rows": {" | ".join(k): v for k, v in rows.items()},
                                                     "seconds": time.perf_counter() - t0}, indent=2))
-
-    def ms(vals, pct=True):
-        vals = [100 * v if pct else v for v in vals]
-        f = "{:.2f}" if pct else "{:.3f}"
-        return (f + " ± " + f).format(statistics.mean(vals), statistics.stdev(vals)) if len(vals) > 1 else f.format(vals[0])
 
     lines = [f"# {a.name}", "", f"`python benchmarks/prior_offline.py {' '.join(a.runs)}` — mean of the eleven "
              "prior-weighted accuracies (%), mean ± sd over the runs; `plain` is the model's own decision (GTAFL: "

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import open_run, out_of_fold  # noqa: E402
+from prior_offline import ms, open_run, out_of_fold  # noqa: E402
 
 from tafl.prior import SMOOTHING_GRID, Calibration, PriorEstimator, adaptive_check, fit_calibration  # noqa: E402
 from tafl.training.evaluate import predict  # noqa: E402
@@ -100,11 +100,6 @@ def main() -> None:
             print(f"{run} [{cal_name}]: pseudo-count {chosen.pseudo_count:g}; plain {100 * mle['plain']:.2f}, EM "
                   f"{100 * mle[f'adaptive_{sizes[-1]}']:.2f} -> smoothed {100 * smooth[f'adaptive_{sizes[-1]}']:.2f}, "
                   f"oracle {100 * mle['oracle']:.2f}", flush=True)
-
-    def ms(vals, pct=True):
-        vals = [100 * v if pct else v for v in vals]
-        f = "{:.2f}" if pct else "{:.3f}"
-        return (f + " ± " + f).format(statistics.mean(vals), statistics.stdev(vals)) if len(vals) > 1 else f.format(vals[0])
 
     lines = [f"# {a.name}", "", f"`python benchmarks/prior_smoothing_offline.py {' '.join(a.runs)}` — test split, means "
              "of the eleven prior-weighted accuracies (%), mean ± sd over the runs. `plain`: the model's own label (the "
