@@ -133,12 +133,17 @@ def render_markdown(r: dict[str, Any]) -> str:
         cal = pa["calibration"]
         how = (f"calibrated ({cal['kind']}, T {cal['temperature']:.3f}, fitted federatedly on "
                f"{cal.get('fit', {}).get('images', '?')} held-out client images)" if pa.get("calibrated")
-               else "uncalibrated (no calibration round; `--calibration bcts --calib-holdout 0.1`)")
+               else "uncalibrated (no calibration round; `--calibration vector --calib-holdout 0.1`)")
+        from tafl.prior import PriorEstimator
+
+        est = pa.get("estimator") or {}
+        chosen = (f", the smoothing chosen on {est.get('validation_images')} validation images" if
+                  est.get("chosen") == "validation" else "")
         lines += ["", "## Prior-aware inference (%)", "",
-                  f"Posteriors: {pa['posteriors']}, {how}. `EM n`: the decision adapted to the class prior that EM "
-                  f"estimates from n unlabeled test images drawn with the distribution's prior (mean of "
-                  f"{pa['draws']} draws); `oracle`: adapted to the true prior; `calibrated`: the calibrated "
-                  "posteriors' own argmax.", ""]
+                  f"Posteriors: {pa['posteriors']}, {how}. `EM n`: the decision adapted to the class prior estimated "
+                  f"from n unlabeled test images drawn with the distribution's prior (mean of {pa['draws']} draws) by "
+                  f"{PriorEstimator.from_dict(est).describe()}{chosen}; `oracle`: adapted to the true prior; "
+                  "`calibrated`: the calibrated posteriors' own argmax.", ""]
         rows = {"plain rule": r, "calibrated": {"test_distributions": {
             n: {"accuracy": d.get("calibrated")} for n, d in r["test_distributions"].items()}}}
         for size in pa["sizes"]:

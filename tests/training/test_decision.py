@@ -180,6 +180,7 @@ def test_the_case_mix_estimator_is_chosen_on_validation_and_travels_to_the_packa
     pkg = export_checkpoint(op_run / "final.pt", tmp_path / "pkg", name="op-estimator")
     assert pkg.metadata["prior"]["estimator"] == rec
     assert PriorEstimator.from_dict(rec).describe() in (tmp_path / "pkg" / "README.md").read_text()
+    assert PriorEstimator.from_dict(rec).describe() in (op_run / "report.md").read_text()
 
 
 @pytest.mark.slow
