@@ -42,7 +42,8 @@ def _prior_line(pr: dict[str, Any]) -> str:
     text = (f"Posteriors: {pr.get('posteriors')}, calibration **{pr.get('calibration')}**. An explicit prior decides "
             f"by the Bayes rule; `prior=adaptive` estimates the served mix by {how}.")
     if check and not check.get("recommended", True):
-        text += " On this model's validation split adapting lost to its own decision, so `prior=adaptive` keeps the source prior."
+        text += (" On this model's validation split adapting lost to its own decision, so `prior=adaptive` keeps the "
+                 "source prior.")
     return text
 
 

@@ -246,8 +246,8 @@ class Batcher:
 
 class PriorMonitor:
     """The case mix a model is served, estimated from a window of its recent calibrated probability vectors
-    (the package's tafl.prior.PriorEstimator; no image is kept). `add` is cheap and runs on the event loop; the EM runs in its own
-    thread every `refresh` images, so estimation never blocks or fails a prediction."""
+    (the package's tafl.prior.PriorEstimator; no image is kept). `add` is cheap and runs on the event loop; the EM
+    runs in its own thread every `refresh` images, so estimation never blocks or fails a prediction."""
 
     def __init__(self, source: np.ndarray, window: int = 500, refresh: int = 50, min_images: int = 100,
                  blocked: str | None = None, estimator: Any = None):

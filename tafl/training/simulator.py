@@ -202,8 +202,9 @@ def _initial_state(method: Method, transport: Transport, prep: Prepared,
     state = method.init_state(prep.train_counts)
     if init_from is not None:
         start_state = GlobalState.from_dict(init_from["state"])
-        # the parent's calibration, operating point and case-mix estimator describe the parent's weights: the retrained model fits its
-        # own (they are carried through every round's meta otherwise, and a stale one would skip the new fit)
+        # the parent's calibration, operating point and case-mix estimator describe the parent's weights: the
+        # retrained model fits its own (they are carried through every round's meta otherwise, and a stale one would
+        # skip the new fit)
         meta = {k: v for k, v in start_state.meta.items() if k not in ("calibration", "decision", "prior_estimator")}
         state = GlobalState(start_state.weights, {**state.extras, **start_state.extras},
                             {**meta, "client_counts": {}, "round": 0})
@@ -323,7 +324,8 @@ def choose_prior_estimator(method: Method, state: GlobalState, ds: Dataset, cfg:
     fixed = cfg.prior_smoothing_value()
     C = len(ds.class_names)
     if fixed is not None or len(ds.val.labels) == 0:
-        est = PriorEstimator(fixed or 0.0, "uniform", {"chosen": "config" if fixed is not None else "no validation split"})
+        why = "config" if fixed is not None else "no validation split"
+        est = PriorEstimator(fixed or 0.0, "uniform", {"chosen": why})
     else:
         calib = Calibration.from_dict(state.meta.get("calibration"), C)
         source = calib.source_prior if calib.source_prior is not None else method.default_source_prior(state)
@@ -335,7 +337,7 @@ def choose_prior_estimator(method: Method, state: GlobalState, ds: Dataset, cfg:
         scores = est.record["scores"]
         log.info("case-mix estimator: %s, chosen on %d validation images (mean adapted accuracy %.1f%% against %.1f%% "
                  "for the maximum-likelihood EM)", est.describe(), len(ds.val.labels),
-                 100 * scores[f"{est.pseudo_count:g}"], 100 * scores["0"])
+                 100 * scores[f"{est.pseudo_count:g}"], 100 * scores.get("0", float("nan")))
     return GlobalState(state.weights, state.extras, dict(state.meta, prior_estimator=est.to_dict()))
 
 
@@ -358,8 +360,8 @@ def select_prior_smoothing(probs: np.ndarray, labels: np.ndarray, ranks: np.ndar
     best = float(grid[int(np.argmax(vals))])  # first maximum: the smallest pseudo-count among ties
     return PriorEstimator(best, "uniform", {
         "chosen": "validation", "criterion": f"the mean over n = {', '.join(map(str, sizes))} of the eleven "
-        "distributions' prior-weighted accuracy, adapted to the estimate from n images", "validation_images": int(len(labels)),
-        "scores": scores})
+        "distributions' prior-weighted accuracy, adapted to the estimate from n images",
+        "validation_images": int(len(labels)), "scores": scores})
 
 
 def _check_compatible(ck: dict[str, Any], prep: Prepared) -> None:
