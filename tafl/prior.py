@@ -356,9 +356,10 @@ class PriorEstimator:
 
     pseudo_count 0 is the maximum-likelihood estimate of Saerens et al. That estimate runs to the simplex's edge:
     with a few hundred images and posteriors calibrated on a few dozen images of a rare class, EM gives that class
-    a prior of ~0, and the Bayes rule then never predicts it (measured: docs/decisions.md §2.6). The symmetric
-    Dirichlet (center uniform) keeps every class in play and fades as images accumulate: at n images the
-    estimate is a weighted mean of the data's n and the prior's pseudo_count. Training chooses pseudo_count
+    a prior of ~0, and the Bayes rule then never predicts it. The symmetric Dirichlet (center uniform) keeps every
+    class in play and, more than that, shrinks an estimate that is noisy and biased in every class toward the
+    centre (a floor alone recovers little: docs/decisions.md §2.6). It fades as images accumulate: at n images the
+    estimate weighs the data's n against the prior's pseudo_count. Training chooses pseudo_count
     on the validation split (`tafl.training.simulator.choose_prior_estimator`); `record` keeps how.
     """
 
