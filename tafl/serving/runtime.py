@@ -394,13 +394,18 @@ class ModelRegistry:
                 feed["log_prior_ratio"] = ratios
             return dict(zip(out_names, session.run(out_names, feed)))
 
+        from tafl.errors import ConfigError
         from tafl.prior import PriorEstimator, adaptive_blocked
 
-        monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
-                               self.prior_refresh, self.prior_min_images,
-                               blocked=adaptive_blocked(pkg.metadata.get("prior")),
-                               estimator=PriorEstimator.from_dict(pkg.metadata["prior"].get("estimator"))) \
-            if takes_prior else None
+        monitor = None
+        if takes_prior:
+            try:  # a malformed record is the package's fault: refused like any other bad package, not a 500
+                estimator = PriorEstimator.from_dict(pkg.metadata["prior"].get("estimator"))
+            except ConfigError as exc:
+                raise PackageError(f"{pkg.name} {pkg.version}: metadata prior.estimator: {exc}") from None
+            monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
+                                   self.prior_refresh, self.prior_min_images,
+                                   blocked=adaptive_blocked(pkg.metadata.get("prior")), estimator=estimator)
         return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, label or ref,
                            monitor=monitor)
 
