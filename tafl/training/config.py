@@ -21,6 +21,7 @@ import yaml
 from tafl.errors import ConfigError
 from tafl.prior import CALIBRATIONS  # numpy only: the one list of calibration kinds
 from tafl.training.decision import KINDS as DECISIONS  # numpy only
+from tafl.training.longtail import HOLDOUT_MODES  # numpy only
 from tafl.training.methods import method_names  # the one registry; importing it loads no method (nor torch)
 
 PARTITIONS = ("equal", "dirichlet")
@@ -126,6 +127,9 @@ class RunConfig:
     # vector (per-class scales and biases; docs/decisions.md §2.4)
     calibration: str = "none"
     calib_holdout: float = 0.0  # share of every client's rows held out of training for the calibration; 0: none
+    # which rows: rows (at random, the client's mix) | classes (the same number shared evenly among the client's
+    # classes, each giving at most 30 % of its rows: more rare-class images for the fit; docs/decisions.md §2.7)
+    calib_holdout_mode: str = "rows"
     calib_rounds: int = 25  # calibration Newton rounds at most
     calib_l2: float = 1.0  # L2 penalty on the biases and on the spread of vector scaling's per-class scales
     # GTAFL: the posteriors calibration and prior estimation use: experts (mean of the experts' log-probabilities)
@@ -314,6 +318,8 @@ class RunConfig:
             raise bad("calib_l2", "must be a finite number >= 0")
         if not 0 <= self.calib_holdout < 0.5:
             raise bad("calib_holdout", "must be in [0, 0.5)")
+        if self.calib_holdout_mode not in HOLDOUT_MODES:
+            raise bad("calib_holdout_mode", f"choose one of {', '.join(HOLDOUT_MODES)}")
         if self.calibration != "none" and self.calib_holdout <= 0:
             raise bad("calib_holdout", f"calibration '{self.calibration}' needs held-out client rows (e.g. 0.1)")
         if self.calib_rounds < 1 or self.adapt_draws < 1:

@@ -100,7 +100,8 @@ def _client(content, context) -> tuple[Any, ClientData]:
         if list(ds.class_names) != list(class_names):
             raise DataError(f"this site's classes {ds.class_names} differ from the federation's {class_names}")
         cid = int(node_cfg.get("client-id", context.node_id % (2**31)))
-        (rows,), (held,) = holdout_split([np.arange(len(ds.train))], cfg.calib_holdout, cfg.seed + cid)
+        (rows,), (held,) = holdout_split([np.arange(len(ds.train))], cfg.calib_holdout, cfg.seed + cid,
+                                          ds.train.labels, cfg.calib_holdout_mode)
         data = ClientData(cid, torch.from_numpy(ds.train.images), torch.from_numpy(ds.train.labels),
                           torch.from_numpy(rows), len(class_names), torch.from_numpy(held))
     method = make_method(cfg, model_cfg, pre, "cpu")

@@ -132,17 +132,42 @@ def _dirichlet_group(idx: np.ndarray, labels: np.ndarray, k: int, alpha: float, 
                     f"{min_needed} after {max_tries} tries; use fewer clients or a larger alpha")
 
 
-def holdout_split(parts: list[np.ndarray], frac: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Each client's rows split into training rows and held-out rows (`frac` of them, for the calibration
-    round); a client keeps at least one training row. frac 0 returns the parts unchanged."""
+HOLDOUT_MODES = ("rows", "classes")
+HOLDOUT_CLASS_CAP = 0.3  # `classes` mode: at most this share of a client's rows of one class is held out
+
+
+def holdout_split(parts: list[np.ndarray], frac: float, seed: int, labels: np.ndarray | None = None,
+                  mode: str = "rows") -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's rows split into training rows and held-out rows for the calibration round; a client keeps at
+    least one training row. frac 0 returns the parts unchanged.
+
+    `rows`: `frac` of the client's rows, drawn at random (the held-out mix follows the client's).
+    `classes` (needs `labels`): the same number, frac·n, shared evenly among the classes the client holds, each class
+    giving at most HOLDOUT_CLASS_CAP of its rows; what a capped class cannot give is not made up by the others. The
+    rare classes, whose calibration rests on a handful of images under `rows`, get several times more; the common
+    ones give fewer (docs/decisions.md §2.7). Only the client's own labels are read, so a Flower site can do it."""
     if frac <= 0:
         return parts, [np.zeros(0, np.int64) for _ in parts]
+    if mode not in HOLDOUT_MODES:
+        raise ConfigError(f"calib_holdout_mode must be one of {', '.join(HOLDOUT_MODES)}, got {mode!r}")
+    if mode == "classes" and labels is None:
+        raise ValueError("holdout_split: mode 'classes' needs the labels")
     train, held = [], []
     for k, p in enumerate(parts):
-        n = min(int(round(frac * len(p))), max(len(p) - 1, 0))
         perm = np.random.default_rng([seed, 211, k]).permutation(p)
-        held.append(np.sort(perm[:n]).astype(np.int64))
-        train.append(np.sort(perm[n:]).astype(np.int64))
+        if mode == "rows":
+            n = min(int(round(frac * len(p))), max(len(p) - 1, 0))
+            take = perm[:n]
+        else:
+            lab = np.asarray(labels)[perm]
+            classes = np.unique(lab)
+            share = frac * len(p) / max(len(classes), 1)
+            take = np.concatenate([perm[lab == c][:min(int(round(share)), int(round(HOLDOUT_CLASS_CAP * (lab == c).sum())))]
+                                   for c in classes]) if len(p) else perm[:0]
+            take = take[:max(len(p) - 1, 0)]
+        keep = np.setdiff1d(p, take)
+        held.append(np.sort(take).astype(np.int64))
+        train.append(np.sort(keep).astype(np.int64))
     return train, held
 
 

@@ -72,7 +72,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     ranks = class_ranks(train.labels, ds.num_classes)
     parts = dirichlet_partition(train.labels, cfg.clients, cfg.alpha, cfg.seed, equal=cfg.partition == "equal",
                                 num_classes=ds.num_classes)
-    parts, holdouts = holdout_split(parts, cfg.calib_holdout, cfg.seed)
+    parts, holdouts = holdout_split(parts, cfg.calib_holdout, cfg.seed, train.labels, cfg.calib_holdout_mode)
     cc = client_class_counts(train.labels, parts, ds.num_classes)
     model_cfg = ModelConfig(backbone=cfg.backbone, num_classes=ds.num_classes, in_chans=ds.preprocess.channels,
                             img_size=ds.preprocess.size, width=cfg.width, patch_size=cfg.patch_size,

@@ -29,6 +29,31 @@ def test_holdout_rows_are_disjoint_from_training_rows_and_zero_changes_nothing()
     assert all(len(t) >= 1 for t in holdout_split([np.array([3])], 0.4, 7)[0])
 
 
+def test_class_balanced_holdout_gives_rare_classes_more_and_caps_each_class():
+    rng = np.random.default_rng(1)
+    labels = np.concatenate([np.zeros(900, int), np.full(60, 1), np.full(40, 2)])[rng.permutation(1000)]
+    parts = dirichlet_partition(labels, 3, 5.0, 7, num_classes=3)
+    rows_train, rows_held = holdout_split(parts, 0.1, 7, labels, "rows")
+    assert [h.tolist() for h in rows_held] == [h.tolist() for h in holdout_split(parts, 0.1, 7)[1]]  # default
+    cls_train, cls_held = holdout_split(parts, 0.1, 7, labels, "classes")
+    for p, t, h in zip(parts, cls_train, cls_held):
+        assert not set(t) & set(h) and sorted(set(t) | set(h)) == sorted(p)
+        for c in range(3):
+            n_c, h_c = int((labels[p] == c).sum()), int((labels[h] == c).sum())
+            assert h_c <= round(0.3 * n_c)  # the cap
+            assert h_c <= round(0.1 * len(p) / len(np.unique(labels[p])))  # the even share
+    rare = lambda held: int(np.isin(np.concatenate(held), np.flatnonzero(labels == 2)).sum())  # noqa: E731
+    common = lambda held: int(np.isin(np.concatenate(held), np.flatnonzero(labels == 0)).sum())  # noqa: E731
+    assert rare(cls_held) >= 2 * max(rare(rows_held), 1) and common(cls_held) < common(rows_held)
+    assert all(len(t) >= 1 for t in holdout_split([np.array([3])], 0.4, 7, labels, "classes")[0])
+    with pytest.raises(ValueError, match="labels"):
+        holdout_split(parts, 0.1, 7, None, "classes")
+    with pytest.raises(ConfigError, match="calib_holdout_mode"):
+        holdout_split(parts, 0.1, 7, labels, "stratified")
+    with pytest.raises(ConfigError, match="calib_holdout_mode"):
+        load_config(CONFIGS / "smoke.yaml", {"calib_holdout_mode": "stratified"})
+
+
 def test_calibration_needs_held_out_rows():
     with pytest.raises(ConfigError, match="held-out"):
         load_config(CONFIGS / "smoke.yaml", {"calibration": "bcts"})
