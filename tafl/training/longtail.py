@@ -162,8 +162,8 @@ def holdout_split(parts: list[np.ndarray], frac: float, seed: int, labels: np.nd
             lab = np.asarray(labels)[perm]
             classes = np.unique(lab)
             share = frac * len(p) / max(len(classes), 1)
-            take = np.concatenate([perm[lab == c][:min(int(round(share)), int(round(HOLDOUT_CLASS_CAP * (lab == c).sum())))]
-                                   for c in classes]) if len(p) else perm[:0]
+            quota = {c: min(int(round(share)), int(round(HOLDOUT_CLASS_CAP * (lab == c).sum()))) for c in classes}
+            take = np.concatenate([perm[lab == c][:quota[c]] for c in classes]) if len(p) else perm[:0]
             take = take[:max(len(p) - 1, 0)]
         keep = np.setdiff1d(p, take)
         held.append(np.sort(take).astype(np.int64))
