@@ -170,3 +170,23 @@ def test_a_package_with_an_operating_point_decides_there_and_says_so(dafl_run, t
             assert b["probabilities"]["7"] == pytest.approx(float(want["probs"][0, 7]), abs=1e-5)
             moved += b["label"] != int(want["probs"][0].argmax())
         assert moved > 0  # the offset did decide some labels against the probabilities' argmax
+
+
+def test_a_package_with_a_malformed_estimator_record_is_refused_at_load(gtafl_pkg, tmp_path):
+    """A package whose metadata prior.estimator cannot be read (here a negative pseudo-count, checksums rewritten so
+    only the record is wrong) is refused by the registry as a bad package, naming the record."""
+    import json
+    import shutil
+
+    from tafl.errors import PackageError
+    from tafl.packaging.package import SUMS, write_checksums
+    from tafl.serving.runtime import ModelRegistry
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(gtafl_pkg, pkg)
+    meta = json.loads((pkg / "metadata.json").read_text())
+    meta["prior"]["estimator"] = {"pseudo_count": -5, "center": "uniform"}
+    (pkg / "metadata.json").write_text(json.dumps(meta))
+    write_checksums(pkg, [line.split()[1] for line in (pkg / SUMS).read_text().splitlines() if line.strip()])
+    with pytest.raises(PackageError, match="metadata prior.estimator: .*pseudo"):
+        ModelRegistry([str(pkg)])
