@@ -13,7 +13,7 @@ from tafl.training.config import load_config
 from tafl.training.longtail import DISTRIBUTION_NAMES, dirichlet_partition, holdout_split
 from tafl.training.methods import GlobalState
 from tafl.training.methods.base import ClientResult
-from tafl.training.simulator import calibration_problem, make_method, prepare, train
+from tafl.training.simulator import adaptation_accuracies, calibration_problem, make_method, prepare, train
 from tests.conftest import CONFIGS, SMOKE_GTAFL
 
 
@@ -109,8 +109,12 @@ def test_the_federated_fit_equals_the_pooled_fit_on_the_clients_held_out_rows(tm
         assert 0 <= d["oracle"] <= 1 and 0 <= d["calibrated"] <= 1
         assert set(d["adaptive"]) == {"50", "200"}
         assert 0 <= d["adaptive"]["200"]["tv"] <= 1
+        gap = d["gap"]  # the gap at the largest n, with its interval, beside the finest step the split can show
+        assert gap["n"] == 200 and gap["value"] == pytest.approx(d["oracle"] - d["adaptive"]["200"]["accuracy"])
+        assert gap["lo"] <= gap["hi"] and 0 < d["one_image"] <= 1
     avg = report["prior_adaptation"]["validation"]["average"]
     assert {"calibrated", "oracle", "adaptive_50", "adaptive_200"} <= set(avg)
+    assert "Gap to the oracle at n = 200" in (tmp_path / "run" / "report.md").read_text()
 
 
 @pytest.mark.slow
@@ -132,3 +136,51 @@ def test_a_client_with_nan_calibration_statistics_is_dropped(tmp_path, monkeypat
     fit = report["prior_adaptation"]["calibration"]["fit"]
     assert fit["dropped"] == [1] and 1 not in fit["clients"] and fit["clients"]
     assert np.isfinite(report["prior_adaptation"]["calibration"]["temperature"])
+
+
+def _noisy_posteriors(labels: np.ndarray, C: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(len(labels), C)) + 1.5 * np.eye(C)[labels]
+    e = np.exp(logits)
+    return e / e.sum(1, keepdims=True)
+
+
+def test_the_gap_interval_is_the_protocols_gap_and_narrows_with_more_test_rows():
+    C = 4
+    labels = np.repeat(np.arange(C), [200, 100, 40, 10])
+    probs = _noisy_posteriors(labels, C)
+    ranks, src = np.arange(C), np.bincount(labels) / len(labels)
+    plain = probs.argmax(1)
+    base = adaptation_accuracies(probs, labels, ranks, src, [50, 200], 3, 0, plain=plain)
+    res = adaptation_accuracies(probs, labels, ranks, src, [50, 200], 3, 0, plain=plain, boot=100)
+    assert res["average"] == base["average"]  # the bootstrap leaves the protocol's numbers as they were
+    for name, d in res["distributions"].items():
+        assert d["gap"]["value"] == pytest.approx(d["oracle"] - d["adaptive"]["200"]["accuracy"])
+        assert d["gap"]["lo"] <= d["gap"]["hi"]
+        assert d["one_image"] >= 1 / len(labels), name
+    # one row of the rarest class (10 rows) moves a rare-heavy mix most: π_c / rows of c at its largest
+    b50 = res["distributions"]["backward50"]
+    assert b50["one_image"] == pytest.approx((_prior("backward50", ranks) / np.array([200, 100, 40, 10])).max())
+    # four copies of every row: the same gap, measured on four times the rows, is surer
+    big = adaptation_accuracies(np.tile(probs, (4, 1)), np.tile(labels, 4), ranks, src, [50, 200], 3, 0, boot=100)
+    gap_big, gap_res = big["distributions"]["backward50"]["gap"], b50["gap"]
+    assert gap_big["hi"] - gap_big["lo"] < 0.75 * (gap_res["hi"] - gap_res["lo"])
+    assert big["distributions"]["backward50"]["one_image"] == pytest.approx(b50["one_image"] / 4)
+
+
+def test_perfect_posteriors_leave_no_gap_to_the_oracle():
+    C = 3
+    labels = np.repeat(np.arange(C), [60, 30, 10])
+    probs = np.clip(np.eye(C)[labels], 1e-6, None)
+    probs /= probs.sum(1, keepdims=True)
+    res = adaptation_accuracies(probs, labels, np.arange(C), np.full(C, 1 / C), [20, 100], 2, 0, boot=50)
+    for d in res["distributions"].values():
+        assert d["oracle"] == pytest.approx(1.0) and d["gap"]["value"] == pytest.approx(0.0, abs=1e-12)
+        assert d["gap"]["lo"] == pytest.approx(0.0, abs=1e-12) and d["gap"]["hi"] == pytest.approx(0.0, abs=1e-12)
+
+
+def _prior(name: str, ranks: np.ndarray) -> np.ndarray:
+    from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
+
+    kind, imf = next((k, f) for n, k, f in DISTRIBUTIONS if n == name)
+    return distribution_prior(ranks, kind, imf)
