@@ -8,10 +8,9 @@ image of class c moves it by π_c / (test images of c). On a rare-heavy mix the 
 the weight and has a couple of dozen test images: that is the smallest gap the split can show (`one image`).
 
 For each run, as the product ships it (the run's federated calibration and the estimator its training chose on
-validation, from the checkpoint), per distribution: the gap oracle − adapted at the largest n (mean over the
-protocol's draws, exactly `adaptation_accuracies`), and a paired bootstrap interval (5th–95th percentile) over the
-test images, resampled within each class: the same images score the adapted and the oracle rules, so the interval
-is how sure the split is of their difference, not of either accuracy. Diagnostic only: nothing is chosen.
+validation, from the checkpoint), per distribution: the gap oracle − adapted at the largest n and its paired
+bootstrap interval (5th–95th percentile) over the test images, resampled within each class, as the test report
+computes them (`adaptation_accuracies(..., boot=B)`), with `--boot` replicates. Diagnostic only: nothing is chosen.
 Writes benchmarks/results/<name>.{json,md}.
 """
 
@@ -32,9 +31,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from prior_offline import open_run  # noqa: E402
 
-from tafl.prior import Calibration, PriorEstimator, adapt  # noqa: E402
+from tafl.prior import Calibration, PriorEstimator  # noqa: E402
 from tafl.training.evaluate import predict  # noqa: E402
-from tafl.training.longtail import DISTRIBUTIONS, distribution_prior  # noqa: E402
+from tafl.training.longtail import DISTRIBUTIONS  # noqa: E402
+from tafl.training.simulator import adaptation_accuracies  # noqa: E402
 
 
 def main() -> None:
@@ -55,38 +55,10 @@ def main() -> None:
         src = cal.source_prior
         est = PriorEstimator.from_dict(state.meta.get("prior_estimator"))
         out = predict(method.inference_model(state), ds.test.images, method.normalize, 256, keys=method.output_keys)
-        probs, y = cal.probs(method.posterior_logits(out)), ds.test.labels
-        rows = [np.flatnonzero(y == c) for c in range(C)]
-        counts = np.array([len(r) for r in rows])
-        rng_boot = np.random.default_rng([int(cfg.seed), 991])
-        # one resampling of the test images per bootstrap replicate, shared by every distribution
-        boots = [np.concatenate([rng_boot.choice(r, len(r), replace=True) for r in rows]) for _ in range(a.boot)]
-        res = {}
-        for i, (name, kind, imf) in enumerate(DISTRIBUTIONS):
-            prior = distribution_prior(ranks, kind, imf)
-            target = np.where(counts > 0, prior, 0.0)
-            target /= target.sum()
-            oracle_ok = adapt(probs, src, target).argmax(1) == y
-            adapted_ok = []
-            for k in range(draws):  # the protocol's draws (simulator.adaptation_accuracies)
-                rng = np.random.default_rng([seed, 313, i, n, k])
-                per_class = rng.multinomial(n, target)
-                idx = np.concatenate([rng.choice(rows[c], m, replace=True) for c, m in enumerate(per_class) if m])
-                q = est.estimate(probs[idx], src).prior
-                adapted_ok.append(adapt(probs, src, q).argmax(1) == y)
-            adapted_ok = np.mean(adapted_ok, axis=0)  # per image: the share of draws that got it right
-
-            diff = oracle_ok - adapted_ok  # per image: the oracle right minus the draws' share right
-
-            def gap(sel: np.ndarray, diff=diff, target=target) -> float:
-                per_class = np.bincount(y[sel], weights=diff[sel], minlength=C) / np.maximum(
-                    np.bincount(y[sel], minlength=C), 1)
-                return float((target * per_class).sum())
-
-            g = gap(np.arange(len(y)))
-            bs = np.array([gap(b) for b in boots])
-            res[name] = {"gap": g, "lo": float(np.percentile(bs, 5)), "hi": float(np.percentile(bs, 95)),
-                         "one_image": float((target / np.maximum(counts, 1)).max())}
+        probs = cal.probs(method.posterior_logits(out))
+        dists = adaptation_accuracies(probs, ds.test.labels, ranks, src, [n], draws, seed, boot=a.boot,
+                                      estimate=lambda p, est=est, src=src: est.estimate(p, src).prior)["distributions"]
+        res = {k: {**d["gap"], "gap": d["gap"]["value"], "one_image": d["one_image"]} for k, d in dists.items()}
         per_run.append({"run": str(run), "estimator": est.to_dict().get("pseudo_count"), "distributions": res})
         print(run, {k: f"{100 * v['gap']:.2f} [{100 * v['lo']:.2f}, {100 * v['hi']:.2f}]" for k, v in res.items()},
               flush=True)

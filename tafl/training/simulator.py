@@ -657,17 +657,13 @@ def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarr
     present = counts > 0
     rows = [np.flatnonzero(labels == c) for c in range(C)]
 
-    def by_class(ok: np.ndarray, sel: np.ndarray | None = None) -> np.ndarray:
-        """Per-class mean of a per-row score (0 where a class has no row): per-class accuracy for 0/1 scores."""
-        if sel is not None:
-            ok, lab = ok[sel], labels[sel]
-        else:
-            lab = labels
-        return np.bincount(lab, weights=ok, minlength=C) / np.maximum(np.bincount(lab, minlength=C), 1)
+    def by_class(score: np.ndarray, sel: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """Per-class mean of a per-row score over the rows `sel` (0 for a class without rows)."""
+        lab = labels[sel]
+        return np.bincount(lab, weights=score[sel], minlength=C) / np.maximum(np.bincount(lab, minlength=C), 1)
 
-    def weighted(preds: np.ndarray, prior: np.ndarray) -> float:
-        p = np.where(present, prior, 0.0)
-        return float((p / p.sum() * by_class((np.asarray(preds) == labels).astype(np.float64))).sum())
+    def correct(preds: np.ndarray) -> np.ndarray:
+        return (np.asarray(preds) == labels).astype(np.float64)
 
     resamples = []
     if boot > 0:  # one resampling of the rows per replicate, shared by every distribution
@@ -682,12 +678,12 @@ def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarr
         prior = distribution_prior(ranks, kind, imf)
         target = np.where(present, prior, 0.0)
         target = target / target.sum()
-        oracle_ok = (adapt(probs, source, target).argmax(1) == labels).astype(np.float64)
-        d: dict[str, Any] = {"calibrated": weighted(probs.argmax(1), prior),
+        oracle_ok = correct(adapt(probs, source, target).argmax(1))
+        d: dict[str, Any] = {"calibrated": float((target * by_class(correct(probs.argmax(1)))).sum()),
                              "oracle": float((target * by_class(oracle_ok)).sum()), "adaptive": {},
                              "one_image": float((target / np.maximum(counts, 1)).max())}
         if plain is not None:
-            d["plain"] = weighted(np.asarray(plain), prior)
+            d["plain"] = float((target * by_class(correct(plain))).sum())
             avg["plain"].append(d["plain"])
         for n in sizes:
             accs, tvs, oks = [], [], []
@@ -696,7 +692,7 @@ def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarr
                 per_class = rng.multinomial(n, target)
                 idx = np.concatenate([rng.choice(rows[c], m, replace=True) for c, m in enumerate(per_class) if m])
                 q = em_prior(probs[idx], source).prior if estimate is None else estimate(probs[idx])
-                ok = (adapt(probs, source, q).argmax(1) == labels).astype(np.float64)
+                ok = correct(adapt(probs, source, q).argmax(1))
                 oks.append(ok)
                 accs.append(float((target * by_class(ok)).sum()))
                 tvs.append(total_variation(q, target))
