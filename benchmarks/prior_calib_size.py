@@ -20,8 +20,6 @@ Writes benchmarks/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import open_run  # noqa: E402
+from prior_offline import ms, open_run, write_results  # noqa: E402
 
 from tafl.prior import Calibration, PriorEstimator, fit_calibration  # noqa: E402
 from tafl.training.evaluate import predict  # noqa: E402
@@ -129,9 +127,6 @@ def main() -> None:
                 print(f"{run} m={m} r={r}: " + ", ".join(
                     f"α {k}: gap {100 * v['max_gap']:.2f} ({v['worst']})" for k, v in res.items()), flush=True)
 
-    def ms(vals):
-        vals = [100 * v for v in vals]
-        return f"{statistics.mean(vals):.2f} ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else f"{vals[0]:.2f}"
 
     lines = [f"# {a.name}", "", f"`python benchmarks/prior_calib_size.py {' '.join(a.runs)}` — a diagnostic, never a "
              "selection: vector scaling fitted on m images of a pool (the validation split and a stratified half A of "
@@ -151,12 +146,7 @@ def main() -> None:
     es = rows["run (federated, hold-out)"]
     lines += ["", "Plain (operating point) on half B: " + ms([e["scores"]["0"]["plain"] for e in es])
               + "; oracle with the run's fit: " + ms([e["scores"]["0"]["oracle"] for e in es]) + ".", ""]
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"runs": a.runs, "rows": rows, "seconds": time.perf_counter() - t0},
-                                                   indent=2))
-    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.name, {"runs": a.runs, "rows": rows, "seconds": time.perf_counter() - t0}, lines)
 
 
 if __name__ == "__main__":

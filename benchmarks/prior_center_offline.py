@@ -14,8 +14,6 @@ Writes benchmarks/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import open_run  # noqa: E402
+from prior_offline import ms, open_run, write_results  # noqa: E402
 
 from tafl.prior import SMOOTHING_GRID, Calibration, em_prior  # noqa: E402
 from tafl.training.evaluate import predict  # noqa: E402
@@ -89,9 +87,6 @@ def main() -> None:
                                                   "test": score("test", g, al)})
         print(run, {k: (v[-1]["gamma"], v[-1]["alpha"]) for k, v in rows.items()}, flush=True)
 
-    def ms(vals):
-        vals = [100 * v for v in vals]
-        return f"{statistics.mean(vals):.2f} ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else f"{vals[0]:.2f}"
 
     lines = [f"# {a.name}", "", f"`python benchmarks/prior_center_offline.py {' '.join(a.runs)}`: the estimator's "
              "centre ∝ π^γ and pseudo-count α chosen on validation; test split, n = 500, mean ± sd over the runs. "
@@ -105,12 +100,7 @@ def main() -> None:
         harm = ", ".join(f"{100 * e['test']['uniform_harm']:.2f}" for e in es)
         lines.append(f"| {name} | {chosen} | {ms([e['validation'] for e in es])} | {t('adaptive')} | {t('max_gap')} | "
                      f"{t('forward50_gap')} | {t('backward50_gap')} | {harm} |")
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"runs": a.runs, "rows": rows, "seconds": time.perf_counter() - t0},
-                                                   indent=2))
-    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.name, {"runs": a.runs, "rows": rows, "seconds": time.perf_counter() - t0}, lines)
 
 
 if __name__ == "__main__":

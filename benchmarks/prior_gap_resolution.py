@@ -17,7 +17,6 @@ Writes benchmarks/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import open_run  # noqa: E402
+from prior_offline import open_run, write_results  # noqa: E402
 
 from tafl.prior import Calibration, PriorEstimator  # noqa: E402
 from tafl.training.evaluate import predict  # noqa: E402
@@ -81,12 +80,7 @@ def main() -> None:
     lines += ["", "Largest gap per run, and whether its interval reaches 2: " + "; ".join(
         f"{Path(r['run']).name} {100 * w['gap']:.2f} [{100 * w['lo']:.2f}, {100 * w['hi']:.2f}] "
         f"({'reaches' if w['lo'] <= 0.02 else 'above'})" for r, w in zip(per_run, worst)), ""]
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"runs": a.runs, "per_run": per_run,
-                                                   "seconds": time.perf_counter() - t0}, indent=2))
-    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.name, {"runs": a.runs, "per_run": per_run, "seconds": time.perf_counter() - t0}, lines)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,15 @@ def open_run(run: str | Path, data_root: str | None = None):
 CALIBRATIONS = {"none": "none", "BCTS on validation": "bcts", "vector on validation": "vector"}
 
 
+def write_results(name: str, payload: dict, lines: list[str]) -> None:
+    """benchmarks/results/<name>.json (the payload) and <name>.md (the lines), and the lines on stdout."""
+    out = REPO / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def ms(vals, pct=True) -> str:
     """mean ± sd of the runs' values (× 100 and two decimals for a share; three decimals otherwise)."""
     vals = [100 * v if pct else v for v in vals]

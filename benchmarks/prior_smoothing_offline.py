@@ -17,7 +17,6 @@ Writes benchmarks/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import ms, open_run, out_of_fold  # noqa: E402
+from prior_offline import ms, open_run, out_of_fold, write_results  # noqa: E402
 
 from tafl.prior import SMOOTHING_GRID, Calibration, PriorEstimator, adaptive_check, fit_calibration  # noqa: E402
 from tafl.training.evaluate import predict  # noqa: E402
@@ -133,12 +132,7 @@ def main() -> None:
         lines += ["", "Test grid (diagnostic, never a selection): EM %s for each α, mean over the runs: " % b
                   + ", ".join(f"{k} {100 * statistics.mean(e['test_grid'][k] for e in es):.2f}"
                               for k in es[0]["test_grid"]), ""]
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"runs": a.runs, "rows": rows, "seconds": time.perf_counter() - t0},
-                                                   indent=2))
-    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.name, {"runs": a.runs, "rows": rows, "seconds": time.perf_counter() - t0}, lines)
 
 
 if __name__ == "__main__":
