@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import ms, open_run, write_results  # noqa: E402
+from prior_offline import ms, run_outputs, write_results  # noqa: E402
 
 from tafl.prior import Calibration, PriorEstimator, fit_calibration  # noqa: E402
 from tafl.training.evaluate import predict  # noqa: E402
@@ -82,14 +82,10 @@ def main() -> None:
     sizes_m = [int(v) for v in a.sizes.split(",")]
     rows: dict[str, list[dict]] = {}
     for run in a.runs:
-        ck, cfg, ds, method, state = open_run(run, a.data_root)
+        ck, cfg, ds, method, state, outs, z = run_outputs(run, a.data_root)
         ranks = np.asarray(ck["class_ranks"])
         C = len(ck["class_names"])
         sizes, draws, seed = cfg.adapt_size_list(), cfg.adapt_draws, cfg.test_seed
-        module = method.inference_model(state)
-        outs = {s: predict(module, getattr(ds, s).images, method.normalize, 256, keys=method.output_keys)
-                for s in ("val", "test")}
-        z = {s: method.posterior_logits(o) for s, o in outs.items()}
         ia, ib = halves(ds.test.labels)
         pool_z = np.concatenate([z["val"], z["test"][ia]])
         pool_y = np.concatenate([ds.val.labels, ds.test.labels[ia]])
@@ -104,8 +100,8 @@ def main() -> None:
         prep = prepare(cfg)
         held = np.concatenate([h for h in prep.holdouts if len(h)]) if prep.holdouts else np.zeros(0, int)
         if len(held):
-            zh = method.posterior_logits(predict(module, prep.train.images[held], method.normalize, 256,
-                                                 keys=method.output_keys))
+            zh = method.posterior_logits(predict(method.inference_model(state), prep.train.images[held],
+                                                 method.normalize, 256, keys=method.output_keys))
             yh = prep.train.labels[held]
             for name, (zc, yc) in {"hold-out, refitted": (zh, yh), "validation": (z["val"], ds.val.labels),
                                    "hold-out + validation": (np.concatenate([zh, z["val"]]),

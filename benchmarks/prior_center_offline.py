@@ -24,10 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import ms, open_run, write_results  # noqa: E402
+from prior_offline import ms, run_outputs, write_results  # noqa: E402
 
 from tafl.prior import SMOOTHING_GRID, Calibration, em_prior  # noqa: E402
-from tafl.training.evaluate import predict  # noqa: E402
 from tafl.training.simulator import adaptation_accuracies  # noqa: E402
 
 FAMILIES = {"uniform (shipped)": [(0.0, a) for a in SMOOTHING_GRID],
@@ -57,16 +56,12 @@ def main() -> None:
     t0 = time.perf_counter()
     rows: dict[str, list[dict]] = {}
     for run in a.runs:
-        ck, cfg, ds, method, state = open_run(run, a.data_root)
+        ck, cfg, ds, method, state, outs, z = run_outputs(run, a.data_root)
         ranks = np.asarray(ck["class_ranks"])
         cal = Calibration.from_dict(state.meta.get("calibration"), len(ck["class_names"]))
         src = cal.source_prior
         sizes, draws, seed = cfg.adapt_size_list(), cfg.adapt_draws, cfg.test_seed
-        module = method.inference_model(state)
-        split = {}
-        for s in ("val", "test"):
-            o = predict(module, getattr(ds, s).images, method.normalize, 256, keys=method.output_keys)
-            split[s] = (cal.probs(method.posterior_logits(o)), getattr(ds, s).labels, o["label"])
+        split = {s: (cal.probs(z[s]), getattr(ds, s).labels, outs[s]["label"]) for s in ("val", "test")}
         cache: dict[tuple, dict] = {}
 
         def score(s, gamma, alpha, split=split, cache=cache, ranks=ranks, src=src, sizes=sizes, draws=draws,

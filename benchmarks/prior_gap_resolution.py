@@ -28,10 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import open_run, write_results  # noqa: E402
+from prior_offline import run_outputs, write_results  # noqa: E402
 
 from tafl.prior import Calibration, PriorEstimator  # noqa: E402
-from tafl.training.evaluate import predict  # noqa: E402
 from tafl.training.longtail import DISTRIBUTIONS  # noqa: E402
 from tafl.training.simulator import adaptation_accuracies  # noqa: E402
 
@@ -46,15 +45,14 @@ def main() -> None:
     t0 = time.perf_counter()
     per_run = []
     for run in a.runs:
-        ck, cfg, ds, method, state = open_run(run, a.data_root)
+        ck, cfg, ds, method, state, _, z = run_outputs(run, a.data_root, ("test",))
         ranks = np.asarray(ck["class_ranks"])
         C = len(ck["class_names"])
         n, draws, seed = cfg.adapt_size_list()[-1], cfg.adapt_draws, cfg.test_seed
         cal = Calibration.from_dict(state.meta.get("calibration"), C)
         src = cal.source_prior
         est = PriorEstimator.from_dict(state.meta.get("prior_estimator"))
-        out = predict(method.inference_model(state), ds.test.images, method.normalize, 256, keys=method.output_keys)
-        probs = cal.probs(method.posterior_logits(out))
+        probs = cal.probs(z["test"])
         dists = adaptation_accuracies(probs, ds.test.labels, ranks, src, [n], draws, seed, boot=a.boot,
                                       estimate=lambda p, est=est, src=src: est.estimate(p, src).prior)["distributions"]
         res = {k: {**d["gap"], "gap": d["gap"]["value"], "one_image": d["one_image"]} for k, d in dists.items()}

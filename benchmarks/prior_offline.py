@@ -122,6 +122,15 @@ def open_run(run: str | Path, data_root: str | None = None):
 CALIBRATIONS = {"none": "none", "BCTS on validation": "bcts", "vector on validation": "vector"}
 
 
+def run_outputs(run: str | Path, data_root: str | None = None, splits: tuple[str, ...] = ("val", "test")):
+    """`open_run`, and the kept model's outputs and posterior logits (what calibration works on) on the splits."""
+    ck, cfg, ds, method, state = open_run(run, data_root)
+    module = method.inference_model(state)
+    outs = {s: predict(module, getattr(ds, s).images, method.normalize, 256, keys=method.output_keys)
+            for s in splits}
+    return ck, cfg, ds, method, state, outs, {s: method.posterior_logits(o) for s, o in outs.items()}
+
+
 def write_results(name: str, payload: dict, lines: list[str]) -> None:
     """benchmarks/results/<name>.json (the payload) and <name>.md (the lines), and the lines on stdout."""
     out = REPO / "benchmarks" / "results"

@@ -28,10 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from prior_offline import ms, open_run, out_of_fold, write_results  # noqa: E402
+from prior_offline import ms, out_of_fold, run_outputs, write_results  # noqa: E402
 
 from tafl.prior import SMOOTHING_GRID, Calibration, PriorEstimator, adaptive_check, fit_calibration  # noqa: E402
-from tafl.training.evaluate import predict  # noqa: E402
 from tafl.training.simulator import adaptation_accuracies, select_prior_smoothing  # noqa: E402
 
 
@@ -59,14 +58,10 @@ def main() -> None:
     t0 = time.perf_counter()
     rows: dict[str, list[dict]] = {}
     for run in a.runs:
-        ck, cfg, ds, method, state = open_run(run, a.data_root)
+        ck, cfg, ds, method, state, outs, z = run_outputs(run, a.data_root)
         ranks = np.asarray(ck["class_ranks"])
         C = len(ck["class_names"])
         sizes, draws, seed = cfg.adapt_size_list(), cfg.adapt_draws, cfg.test_seed
-        module = method.inference_model(state)
-        outs = {s: predict(module, getattr(ds, s).images, method.normalize, 256, keys=method.output_keys)
-                for s in ("val", "test")}
-        z = {s: method.posterior_logits(o) for s, o in outs.items()}
         for cal_name in [c.strip() for c in a.calibrations.split(",") if c.strip()]:
             if cal_name == "run":
                 cal = Calibration.from_dict(state.meta.get("calibration"), C)
