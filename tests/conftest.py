@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
+import importlib.util
 import io
+import os
+import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,13 @@ CONFIGS = REPO / "configs"
 # check (tafl.prior.adaptive_check) would turn prior=adaptive off; the tests that exercise the adaptive path
 # adapt anyway, and tests/serving/test_prior_service.py checks the gate itself with TAFL_PRIOR_ADAPTIVE=checked.
 os.environ.setdefault("TAFL_PRIOR_ADAPTIVE", "always")
+# Where torch is absent (CI's core part, .ci/run core) nothing can be trained or exported, so the package fixtures
+# copy packages exported beforehand with torch: `python -m tests.conftest DIR` writes DIR/gtafl and DIR/dafl, and
+# TAFL_TEST_PACKAGES=DIR names them. Where torch is installed the variable is ignored: the fixtures export the
+# smoke runs they train, so a test that compares a package with its run gets the pair that belong together.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+TEST_PACKAGES = None if HAS_TORCH else os.environ.get("TAFL_TEST_PACKAGES")
+NEEDS_TRAIN = "training and export need torch: the train extra (pip install -e '.[train]')"
 
 
 def shared(*parts: str) -> Path:
@@ -44,6 +53,7 @@ SMOKE_DAFL = {"method": "dafl", "backbone": "vit_tafl_tiny", "tokenizer": "conv"
 
 
 def _trained(tmp_path_factory, name: str, overrides: dict) -> Path:
+    pytest.importorskip("torch", reason=NEEDS_TRAIN)
     from tafl.training.config import load_config
     from tafl.training.simulator import train
 
@@ -64,22 +74,47 @@ def dafl_run(tmp_path_factory) -> Path:
     return _trained(tmp_path_factory, "dafl", SMOKE_DAFL)
 
 
-@pytest.fixture(scope="session")
-def gtafl_pkg(tmp_path_factory, gtafl_run) -> Path:
+PACKAGES = {"gtafl": ("derm-gtafl", SMOKE_GTAFL), "dafl": ("derm-dafl", SMOKE_DAFL)}
+
+
+def _package(tmp_path_factory, request, kind: str) -> Path:
+    """A fresh copy of TAFL_TEST_PACKAGES/KIND, or the smoke run of KIND exported (needs torch)."""
+    out = tmp_path_factory.mktemp("pkg") / kind
+    if TEST_PACKAGES:
+        src = Path(TEST_PACKAGES) / kind
+        if not (src / "SHA256SUMS").is_file():
+            pytest.fail(f"TAFL_TEST_PACKAGES={TEST_PACKAGES} holds no package {kind}/ (python -m tests.conftest DIR)")
+        shutil.copytree(src, out)  # tests may edit their package: never the shared one
+        return out
     from tafl.packaging.export import export_checkpoint
 
-    out = tmp_path_factory.mktemp("pkg") / "gtafl"
-    export_checkpoint(gtafl_run / "final.pt", out, name="derm-gtafl")
+    export_checkpoint(request.getfixturevalue(f"{kind}_run") / "final.pt", out, name=PACKAGES[kind][0])
     return out
 
 
 @pytest.fixture(scope="session")
-def dafl_pkg(tmp_path_factory, dafl_run) -> Path:
-    from tafl.packaging.export import export_checkpoint
+def gtafl_pkg(tmp_path_factory, request) -> Path:
+    return _package(tmp_path_factory, request, "gtafl")
 
-    out = tmp_path_factory.mktemp("pkg") / "dafl"
-    export_checkpoint(dafl_run / "final.pt", out, name="derm-dafl")
-    return out
+
+@pytest.fixture(scope="session")
+def dafl_pkg(tmp_path_factory, request) -> Path:
+    return _package(tmp_path_factory, request, "dafl")
+
+
+def export_test_packages(dest: Path) -> None:
+    """The smoke packages the fixtures export, written to DEST/gtafl and DEST/dafl for TAFL_TEST_PACKAGES."""
+    import tempfile
+
+    from tafl.packaging.export import export_checkpoint
+    from tafl.training.config import load_config
+    from tafl.training.simulator import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, (name, overrides) in PACKAGES.items():
+            run = Path(tmp) / kind
+            train(load_config(CONFIGS / "smoke.yaml", overrides), run, progress=False)
+            export_checkpoint(run / "final.pt", dest / kind, name=name, force=(dest / kind).exists())
 
 
 # ---------------------------------------------------------------- a real service
@@ -137,3 +172,9 @@ def digit_png(i: int = 0, size: int = 64, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
     img.save(buf, format=fmt)
     return buf.getvalue()
+
+
+if __name__ == "__main__":  # python -m tests.conftest DIR: the test packages for a venv without torch
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.conftest DIR")
+    export_test_packages(Path(sys.argv[1]))

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.conftest import CONFIGS
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tests.conftest import CONFIGS  # noqa: E402
 
 TAFL = [sys.executable, "-m", "tafl.cli"]
 

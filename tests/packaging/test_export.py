@@ -8,16 +8,18 @@ import shutil
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
-from PIL import Image
 
-from tafl.errors import PackageError
-from tafl.packaging import load_package
-from tafl.packaging.export import build_graph, export_checkpoint
-from tafl.packaging.package import list_packages
-from tafl.training.checkpoint import load_checkpoint, save_checkpoint
-from tafl.training.data import load_dataset
-from tafl.training.config import RunConfig
+torch = pytest.importorskip("torch", reason="export needs torch: the train extra (pip install -e '.[train]')")
+
+from PIL import Image  # noqa: E402
+
+from tafl.errors import PackageError  # noqa: E402
+from tafl.packaging import load_package  # noqa: E402
+from tafl.packaging.export import build_graph, export_checkpoint  # noqa: E402
+from tafl.packaging.package import list_packages  # noqa: E402
+from tafl.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from tafl.training.data import load_dataset  # noqa: E402
+from tafl.training.config import RunConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

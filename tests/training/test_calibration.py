@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from tafl.errors import ConfigError
-from tafl.prior import fit_calibration
-from tafl.training.checkpoint import load_checkpoint
-from tafl.training.config import load_config
-from tafl.training.longtail import DISTRIBUTION_NAMES, dirichlet_partition, holdout_split
-from tafl.training.methods import GlobalState
-from tafl.training.methods.base import ClientResult
-from tafl.training.simulator import adaptation_accuracies, calibration_problem, make_method, prepare, train
-from tests.conftest import CONFIGS, SMOKE_GTAFL
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.errors import ConfigError  # noqa: E402
+from tafl.prior import fit_calibration  # noqa: E402
+from tafl.training.checkpoint import load_checkpoint  # noqa: E402
+from tafl.training.config import load_config  # noqa: E402
+from tafl.training.longtail import DISTRIBUTION_NAMES, dirichlet_partition, holdout_split  # noqa: E402
+from tafl.training.methods import GlobalState  # noqa: E402
+from tafl.training.methods.base import ClientResult  # noqa: E402
+from tafl.training.simulator import (  # noqa: E402
+    adaptation_accuracies, calibration_problem, make_method, prepare, train)
+from tests.conftest import CONFIGS, SMOKE_GTAFL  # noqa: E402
 
 
 def test_holdout_rows_are_disjoint_from_training_rows_and_zero_changes_nothing():

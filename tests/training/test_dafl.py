@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
-from torch.nn import functional as F
 
-from tafl.training.explain import attention_rollout, grad_rollout, rollout_from, vit_with_attention
-from tafl.training.methods.base import ClientData
-from tafl.training.methods.dafl import DAFLLoss, aggregation_weights, class_imbalance, client_imbalance
-from tafl.training.models import ModelConfig, build_model
-from tafl.training.simulator import make_method, prepare, train
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+from torch.nn import functional as F  # noqa: E402
+
+from tafl.training.explain import attention_rollout, grad_rollout, rollout_from, vit_with_attention  # noqa: E402
+from tafl.training.methods.base import ClientData  # noqa: E402
+from tafl.training.methods.dafl import DAFLLoss, aggregation_weights, class_imbalance, client_imbalance  # noqa: E402
+from tafl.training.models import ModelConfig, build_model  # noqa: E402
+from tafl.training.simulator import make_method, prepare, train  # noqa: E402
 
 
 def test_client_imbalance_by_hand():

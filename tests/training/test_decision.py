@@ -6,9 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tafl.errors import ConfigError
-from tafl.training.decision import GRID, check_record, offset_for, select_operating_point, uniform_macro_f1
-from tafl.training.evaluate import uniform_metrics
+pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.errors import ConfigError  # noqa: E402
+from tafl.training.decision import (  # noqa: E402
+    GRID, check_record, offset_for, select_operating_point, uniform_macro_f1)
+from tafl.training.evaluate import uniform_metrics  # noqa: E402
 
 
 def _long_tailed_logits(rng, n_per_class=(400, 200, 80, 20), margin=1.2):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tafl.training.evaluate import evaluate_outputs, per_class_accuracy, uniform_metrics
-from tafl.training.longtail import DISTRIBUTION_NAMES, distribution_prior
+pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.training.evaluate import evaluate_outputs, per_class_accuracy, uniform_metrics  # noqa: E402
+from tafl.training.longtail import DISTRIBUTION_NAMES, distribution_prior  # noqa: E402
 
 
 def _fake(acc_per_class, counts, seed=0):

@@ -8,7 +8,8 @@ import threading
 import time
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
 
 pytest.importorskip("flwr")
 

@@ -6,14 +6,15 @@ import logging
 
 import numpy as np
 import pytest
-import torch
 
-from tafl.training import gff
-from tafl.training.checkpoint import load_checkpoint
-from tafl.training.ensemble import ExpertEnsemble
-from tafl.training.evaluate import evaluate_outputs
-from tafl.training.methods.gtafl import gigds_class_weights
-from tafl.training.simulator import make_method, prepare, train
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.training import gff  # noqa: E402
+from tafl.training.checkpoint import load_checkpoint  # noqa: E402
+from tafl.training.ensemble import ExpertEnsemble  # noqa: E402
+from tafl.training.evaluate import evaluate_outputs  # noqa: E402
+from tafl.training.methods.gtafl import gigds_class_weights  # noqa: E402
+from tafl.training.simulator import make_method, prepare, train  # noqa: E402
 
 
 def test_gigds_weights_against_hand_computation():

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tafl.errors import CheckpointError, ConfigError
-from tafl.training.models import ModelConfig, ResNet8, build_model
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.errors import CheckpointError, ConfigError  # noqa: E402
+from tafl.training.models import ModelConfig, ResNet8, build_model  # noqa: E402
 
 
 @pytest.mark.parametrize("backbone,size,chans", [("resnet8", 28, 3), ("resnet8", 16, 1), ("vit_tafl_tiny", 28, 3),

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from tafl.errors import RunDirError
-from tafl.training.checkpoint import load_checkpoint
-from tafl.training.longtail import DISTRIBUTION_NAMES
-from tafl.training.simulator import train
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.errors import RunDirError  # noqa: E402
+from tafl.training.checkpoint import load_checkpoint  # noqa: E402
+from tafl.training.longtail import DISTRIBUTION_NAMES  # noqa: E402
+from tafl.training.simulator import train  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from tafl.training.config import load_config
-from tafl.training.simulator import train
-from tests.conftest import CONFIGS, shared
+pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.training.config import load_config  # noqa: E402
+from tafl.training.simulator import train  # noqa: E402
+from tests.conftest import CONFIGS, shared  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -7,17 +7,18 @@ import math
 
 import numpy as np
 import pytest
-import torch
-from torch.nn import functional as F
 
-from tafl.errors import ConfigError, TrainingDiverged
-from tafl.training.config import RunConfig
-from tafl.training.explain import attention_rollout
-from tafl.training.local import PolicyAugment, scheduled_lr
-from tafl.training.methods.base import GlobalState
-from tafl.training.methods.dafl import class_imbalance, class_normaliser, loss_coefficients
-from tafl.training.models import ConvTokenizer, ModelConfig, build_model
-from tafl.training.simulator import check_divergence, train
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+from torch.nn import functional as F  # noqa: E402
+
+from tafl.errors import ConfigError, TrainingDiverged  # noqa: E402
+from tafl.training.config import RunConfig  # noqa: E402
+from tafl.training.explain import attention_rollout  # noqa: E402
+from tafl.training.local import PolicyAugment, scheduled_lr  # noqa: E402
+from tafl.training.methods.base import GlobalState  # noqa: E402
+from tafl.training.methods.dafl import class_imbalance, class_normaliser, loss_coefficients  # noqa: E402
+from tafl.training.models import ConvTokenizer, ModelConfig, build_model  # noqa: E402
+from tafl.training.simulator import check_divergence, train  # noqa: E402
 
 
 # ---------------------------------------------------------------- the conv tokenizer
