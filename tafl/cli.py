@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -17,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from tafl.errors import ConfigError, TaflError
+from tafl.errors import ConfigError, DataError, ServiceCallError, TaflError
 
 log = logging.getLogger("tafl.cli")
 
@@ -39,22 +40,40 @@ def _none_or(typ):
     return parse
 
 
+def _shown(value: Any) -> str:
+    """A default as a user types it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def add_config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field; every default is None so only given flags override the file."""
-    from tafl.training.config import RunConfig
+    """One flag per RunConfig field; every default is None so only given flags override the file.
+
+    The help of each is the field's comment in tafl/training/config.py (`field_docs`), the one place it is
+    documented, with its default; fixed sets of values are argparse `choices` from `config.CHOICES`."""
+    from tafl.training.config import CHOICES, RunConfig, field_docs
 
     hints = typing.get_type_hints(RunConfig)
-    group = p.add_argument_group("run configuration (each overrides the --config file)")
+    docs, defaults = field_docs(), RunConfig()
+    group = p.add_argument_group("run configuration (each overrides the --config file; YAML keys use _ for -)")
     for f in dataclasses.fields(RunConfig):
         hint = hints[f.name]
         args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         base = next(a for a in args if a is not type(None))
         flag = "--" + f.name.replace("_", "-")
+        doc = docs.get(f.name) or f.name.replace("_", " ")
+        help_text = f"{doc} (default: {_shown(getattr(defaults, f.name))})".replace("%", "%%")
         if base is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif f.name in CHOICES:
+            group.add_argument(flag, dest=f.name, choices=CHOICES[f.name], default=None, help=help_text)
         else:
             parse = _none_or(base) if type(None) in args else base
-            group.add_argument(flag, dest=f.name, type=parse, default=None, metavar=base.__name__.upper())
+            group.add_argument(flag, dest=f.name, type=parse, default=None, metavar=base.__name__.upper(),
+                               help=help_text)
 
 
 def config_overrides(ns: argparse.Namespace) -> dict[str, Any]:
@@ -157,6 +176,9 @@ def _demo_samples(folder: Path, report: dict) -> list[Path]:
 
 
 def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: float | None) -> int:
+    """Start the service, call it once, print lines to try, then keep serving until Ctrl-C or SIGTERM (or for
+    `seconds`), with or without a terminal: a script that runs the README's one-liner can use the lines."""
+    import signal
     import time
 
     import httpx
@@ -165,8 +187,15 @@ def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: f
 
     port = port or _port_or_free(3000)
     print(f"\ntafl demo: 3/3 starting the service on http://127.0.0.1:{port} (bentoml serve) ...", flush=True)
-    server = ServerProcess([str(pkg_dir)], port=port, log_path=pkg_dir.parent / "service.log").start()
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: the finally below stops the server's whole process tree
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    server = None
     try:
+        server = ServerProcess([str(pkg_dir)], port=port, log_path=pkg_dir.parent / "service.log")
+        server.start()
         with open(samples[1], "rb") as fh:
             r = httpx.post(f"{server.url}/predict", files={"file": (samples[1].name, fh, "image/png")}, timeout=30)
         r.raise_for_status()
@@ -174,19 +203,25 @@ def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: f
         votes = ", ".join(f"{e['name']}={e['class_name']}" for e in body["experts"])
         print(f"  {samples[1].name} -> class {body['class_name']} (p={body['probability']:.2f}; experts {votes}; "
               f"{body['timing_ms']['total']:.0f} ms)")
-        print("\nTry it:\n  curl -s -F file=@" + str(samples[0]) + f" {server.url}/predict")
+        print(f"\nThe page: open {server.url}/ in a browser (the model card, its accuracy, try an image)")
+        print("Try it:\n  curl -s -F file=@" + str(samples[0]) + f" {server.url}/predict")
         print(f"  curl -s -F file=@{samples[2]} -F heatmap=true {server.url}/predict | head -c 400")
         print(f"  curl -s {server.url}/models | head -c 400\n  (service log: {pkg_dir.parent / 'service.log'})")
-        if seconds is None and sys.stdin.isatty():
-            print("Serving until Ctrl-C ...", flush=True)
+        if seconds is None:
+            print("Serving until Ctrl-C (or SIGTERM) ...", flush=True)
             while server.proc and server.proc.poll() is None:
                 time.sleep(0.5)
-        elif seconds:
+            if server.proc and server.proc.poll() is not None:
+                raise TaflError(f"the service stopped by itself; see {pkg_dir.parent / 'service.log'}")
+        else:
+            print(f"Serving for {seconds:g} s ...", flush=True)
             time.sleep(seconds)
     except KeyboardInterrupt:
-        pass
+        print("tafl demo: stopping the service", flush=True)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
+        signal.signal(signal.SIGTERM, old)
     return 0
 
 
@@ -272,53 +307,71 @@ def cmd_packages_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_predict(ns: argparse.Namespace) -> int:
-    import json
-
+    """Every readable file is answered; each file that fails (unreadable here, or refused by the service) is its own
+    `tafl: error:` line on stderr and makes the exit status 1. A service that cannot be reached or refuses the token
+    stops the command (exit 2) after printing what was answered before."""
     from tafl.clients.client import Client, ServiceCallError
 
     token = ns.token or os.environ.get("TAFL_API_TOKEN")
     heat_dir = Path(ns.heatmap) if ns.heatmap else None
     if heat_dir:
         heat_dir.mkdir(parents=True, exist_ok=True)
-    failures, rows = 0, []
+    rows: list[dict[str, Any]] = []
+    fatal: ServiceCallError | None = None
     with Client(ns.url, token=token) as client:
         for f in ns.files:
             try:
                 p = client.predict(f, model=ns.model, heatmap=heat_dir is not None, prior=ns.prior)
             except ServiceCallError as exc:
-                if exc.status == 0 or exc.status == 401:
-                    raise  # the service is unreachable or refuses us: nothing else will work either
-                failures += 1
+                if exc.status in (0, 401):
+                    fatal = exc  # the service is unreachable or refuses us: nothing else will work either
+                    break
+                rows.append({"file": f, "error": f"{exc.detail} (HTTP {exc.status})"})
+                continue
+            except DataError as exc:  # the local file: unreadable, a folder, missing
                 rows.append({"file": f, "error": exc.message})
                 continue
-            row = {"file": f, "label": p.label, "class_name": p.class_name, "probability": p.probability,
-                   "experts": {e.name: e.class_name for e in p.experts}, "model": p.model,
-                   "request_id": p.request_id, "prior": p.prior}
-            if p.frames:
-                row["frames"] = [{"frame": fr.frame, "class_name": fr.class_name, "probability": fr.probability}
-                                 for fr in p.frames]
-            if heat_dir and p.heatmap:
-                out = heat_dir / (Path(f).name + ".heatmap.png")
-                out.write_bytes(p.heatmap.png)
-                row["heatmap"] = str(out)
-            rows.append(row)
-    if ns.json:
+            rows.append(_prediction_row(f, p, heat_dir))
+    _print_predictions(rows, ns.json)
+    if fatal is not None:
+        raise fatal
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _prediction_row(f: str, p, heat_dir: Path | None) -> dict[str, Any]:
+    row = {"file": f, "label": p.label, "class_name": p.class_name, "probability": p.probability,
+           "experts": {e.name: e.class_name for e in p.experts}, "model": p.model,
+           "request_id": p.request_id, "prior": p.prior}
+    if p.frames:
+        row["frames"] = [{"frame": fr.frame, "class_name": fr.class_name, "probability": fr.probability}
+                         for fr in p.frames]
+    if heat_dir and p.heatmap:
+        out = heat_dir / (Path(f).name + ".heatmap.png")
+        out.write_bytes(p.heatmap.png)
+        row["heatmap"] = str(out)
+    return row
+
+
+def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
+    for r in rows:
+        if "error" in r:
+            where = "" if str(r["file"]) in r["error"] else f"{r['file']}: "
+            print(f"tafl: error: {where}{r['error']}", file=sys.stderr, flush=True)
+    if as_json:
         print(json.dumps(rows, indent=2))
-    else:
-        for r in rows:
-            if "error" in r:
-                print(f"{r['file']}: ERROR {r['error']}")
-                continue
-            ex = " ".join(f"{k}={v}" for k, v in r["experts"].items())
-            pr = r.get("prior") or {}
-            note = f" prior={pr.get('used')}" + (f" (fallback: {pr['fallback']})" if pr.get("fallback") else "") \
-                if pr.get("used") not in (None, "train") or pr.get("fallback") else ""
-            print(f"{r['file']}: {r['class_name']} (p={r['probability']:.3f}) {ex}  "
-                  f"[{r['model']['name']} {r['model']['version']}]{note}" +
-                  (f" heatmap {r['heatmap']}" if "heatmap" in r else ""))
-            for fr in r.get("frames", [])[1:]:
-                print(f"    frame {fr['frame']}: {fr['class_name']} (p={fr['probability']:.3f})")
-    return 1 if failures == len(ns.files) else 0
+        return
+    for r in rows:
+        if "error" in r:
+            continue
+        ex = " ".join(f"{k}={v}" for k, v in r["experts"].items())
+        pr = r.get("prior") or {}
+        note = f" prior={pr.get('used')}" + (f" (fallback: {pr['fallback']})" if pr.get("fallback") else "") \
+            if pr.get("used") not in (None, "train") or pr.get("fallback") else ""
+        print(f"{r['file']}: {r['class_name']} (p={r['probability']:.3f}) {ex}  "
+              f"[{r['model']['name']} {r['model']['version']}]{note}" +
+              (f" heatmap {r['heatmap']}" if "heatmap" in r else ""))
+        for fr in r.get("frames", [])[1:]:
+            print(f"    frame {fr['frame']}: {fr['class_name']} (p={fr['probability']:.3f})")
 
 
 def cmd_score(ns: argparse.Namespace) -> int:
@@ -397,12 +450,20 @@ def cmd_dicom_listen(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tafl", description=__doc__.splitlines()[0])
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p = argparse.ArgumentParser(
+        prog="tafl", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train federated medical-image classifiers that stay accurate when the case mix shifts, "
+                    "package them as\nverified ONNX models, serve them over REST and DICOM, and score folders.",
+        epilog="start with `tafl demo` (about a minute on the embedded data); `tafl VERB --help` explains a verb")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="debug logging, library INFO lines, and the traceback behind an error")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    t = sub.add_parser("train", help="federated training in the in-process simulator")
+    t = sub.add_parser("train", help="federated training (in-process simulator, or Flower with --engine flower)",
+                       usage="tafl train --out DIR [--config FILE.yaml] [--resume | --force] [FLAG VALUE ...]",
+                       description="Train a model over simulated or real federated clients. Every setting of "
+                                   "configs/*.yaml is also a flag below; flags override the file.")
     t.add_argument("--config", help="YAML run configuration (configs/*.yaml)")
     t.add_argument("--out", required=True, help="run folder: checkpoints, final.pt, report.{json,md}, accuracy.png")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
@@ -412,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on the eleven test distributions")
-    e.add_argument("checkpoint")
+    e.add_argument("checkpoint", help="a run's final.pt (or a checkpoint under its checkpoints/)")
     e.add_argument("--out", help="report folder (default: CHECKPOINT_DIR/eval)")
     e.add_argument("--data-root", help="where the dataset lies now, if it moved")
     e.add_argument("--labels", help="labels CSV for a folder dataset, if it moved")
@@ -426,15 +487,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare)
 
     x = sub.add_parser("explain", help="heatmap of one image under a saved model, as an overlay PNG")
-    x.add_argument("checkpoint")
-    x.add_argument("image")
-    x.add_argument("--out", default="overlay.png")
+    x.add_argument("checkpoint", help="a run's final.pt")
+    x.add_argument("image", help="a PNG, JPEG or DICOM file")
+    x.add_argument("--out", default="overlay.png", help="the overlay PNG to write (default overlay.png)")
     x.add_argument("--kind", choices=("rollout", "grad"), default="rollout",
-                   help="ViT: attention rollout or gradient-weighted rollout (CNNs get a class activation map)")
+                   help="ViT: attention rollout or gradient-weighted rollout (CNNs get a class activation map; "
+                        "default rollout)")
     x.set_defaults(func=cmd_explain)
 
     xp = sub.add_parser("export", help="checkpoint -> verified ONNX model package (and the BentoML store)")
-    xp.add_argument("checkpoint")
+    xp.add_argument("checkpoint", help="a run's final.pt (from tafl train or tafl retrain)")
     xp.add_argument("--out", required=True, help="package folder")
     xp.add_argument("--name", help="package name (default METHOD-DATASET, or the parent's name)")
     xp.add_argument("--parent", help="the package this checkpoint was retrained from: bumps its version")
@@ -458,11 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     pk = sub.add_parser("packages", help="model packages: list versions, metrics and lineage")
     pks = pk.add_subparsers(dest="packages_verb", required=True, metavar="ACTION")
     pl = pks.add_parser("list", help="every package under DIR")
-    pl.add_argument("dir")
+    pl.add_argument("dir", help="a folder holding package folders (or one package)")
     pl.set_defaults(func=cmd_packages_list)
 
     pr = sub.add_parser("predict", help="send images to a running service and show the predictions")
-    pr.add_argument("files", nargs="+")
+    pr.add_argument("files", nargs="+", help="PNG, JPEG or DICOM files")
     pr.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:3000")
     pr.add_argument("--model", help="package name (default: the service's first)")
     pr.add_argument("--heatmap", metavar="OUT_DIR", help="also save each heatmap overlay PNG into OUT_DIR")
@@ -473,19 +535,19 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_predict)
 
     sc = sub.add_parser("score", help="score every image in a folder into a CSV or JSONL file")
-    sc.add_argument("folder")
+    sc.add_argument("folder", help="folder of PNG, JPEG and DICOM files (searched recursively)")
     sc.add_argument("--out", required=True, help="results.csv or results.jsonl")
     where = sc.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="score through a running service")
     where.add_argument("--package", help="score in-process with ONNX Runtime from a package folder")
     sc.add_argument("--model", help="package name on the service (default: its first)")
     sc.add_argument("--token", help="bearer token (default $TAFL_API_TOKEN)")
-    sc.add_argument("--concurrency", type=int, default=4, help="requests in flight (remote)")
+    sc.add_argument("--concurrency", type=int, default=4, help="requests in flight with --url (default 4)")
     sc.add_argument("--batch-size", type=int, default=16,
-                    help="images per request (remote, at most 64) or per ONNX Runtime call (in-process)")
+                    help="images per request (--url, at most 64) or per ONNX Runtime call (--package; default 16)")
     sc.add_argument("--resume", action="store_true", help="continue an interrupted job, scoring nothing twice")
     sc.add_argument("--force", action="store_true", help="replace an existing results file")
-    sc.add_argument("--no-progress", action="store_true")
+    sc.add_argument("--no-progress", action="store_true", help="no progress bar")
     sc.add_argument("--prior", default="train",
                     help="train (default); adaptive: estimate the folder's class mix from all its images (EM on the "
                          "calibrated posteriors) and re-decide every row for it, no second inference; or "
@@ -503,20 +565,22 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--dicom-heatmap", action="store_true", help="with --dicom-out: the heatmap as a secondary capture")
     sc.set_defaults(func=cmd_score)
 
-    rt = sub.add_parser("retrain", help="continue training from a package's checkpoint on new or more data")
-    rt.add_argument("--from", dest="from_pkg", required=True, metavar="PKG_DIR")
+    rt = sub.add_parser("retrain", help="continue training from a package's checkpoint on new or more data",
+                        usage="tafl retrain --from PKG_DIR [--config FILE.yaml] [--out DIR] [FLAG VALUE ...]")
+    rt.add_argument("--from", dest="from_pkg", required=True, metavar="PKG_DIR",
+                    help="the package to continue from (its checkpoint.pt and training config)")
     rt.add_argument("--config", help="YAML with the keys to change (data, rounds, ...)")
     rt.add_argument("--out", help="run folder (default runs/retrain-NAME-VERSION)")
-    rt.add_argument("--resume", action="store_true")
-    rt.add_argument("--force", action="store_true")
-    rt.add_argument("--no-progress", action="store_true")
+    rt.add_argument("--resume", action="store_true", help="continue the retraining run in --out")
+    rt.add_argument("--force", action="store_true", help="replace an earlier run in --out")
+    rt.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_flags(rt)
     rt.set_defaults(func=cmd_retrain)
 
     sv = sub.add_parser("serve", help="serve model packages with BentoML (127.0.0.1 by default)")
     sv.add_argument("packages", nargs="+", help="package folders or BentoML model tags")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=3000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    sv.add_argument("--port", type=int, default=3000, help="port to listen on (default 3000)")
     sv.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $TAFL_API_TOKEN or none)")
     sv.add_argument("--trusted-keys", metavar="KEYS", help="public key files or folders of *.pub files, "
                     "comma-separated: only packages signed by one of them load (default $TAFL_TRUSTED_KEYS)")
@@ -531,9 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     dl = sub.add_parser("dicom-listen", help="a DICOM Storage SCP: classify every received instance and store its "
                                              "SR (C-STORE to a destination AE, or a folder)")
     dl.add_argument("--package", required=True, help="model package folder")
-    dl.add_argument("--ae-title", default="TAFL")
-    dl.add_argument("--host", default="127.0.0.1")
-    dl.add_argument("--port", type=int, default=11112)
+    dl.add_argument("--ae-title", default="TAFL", help="this listener's AE title (default TAFL)")
+    dl.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    dl.add_argument("--port", type=int, default=11112, help="port to listen on (default 11112)")
     dl_to = dl.add_mutually_exclusive_group(required=True)
     dl_to.add_argument("--dest", metavar="AE@HOST:PORT", help="store SRs to this storage SCP (C-STORE, retried)")
     dl_to.add_argument("--out-dir", metavar="DIR", help="write SRs into DIR instead")
@@ -541,35 +605,94 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "their SR is stored (default ./tafl-dicom-spool)")
     dl.add_argument("--heatmap", action="store_true", help="also store the heatmap as a secondary capture")
     dl.add_argument("--max-queue", type=int, default=64, help="instances waiting before C-STOREs are refused "
-                                                              "(0xA700, the sender retries)")
-    dl.add_argument("--workers", type=int, default=2, help="classifying threads (each with its own association to --dest)")
+                                                              "(0xA700, the sender retries; default 64)")
+    dl.add_argument("--workers", type=int, default=2, help="classifying threads (each with its own association to --dest; default 2)")
     dl.set_defaults(func=cmd_dicom_listen)
 
     d = sub.add_parser("demo", help="train GTAFL on the embedded digits, export, serve and call the service")
     d.add_argument("--out", default="runs/demo", help="demo folder (default runs/demo)")
-    d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.add_argument("--no-serve", action="store_true", help="stop after training and export")
     d.add_argument("--port", type=int, help="service port (default 3000, or a free one)")
-    d.add_argument("--serve-seconds", type=float, help="keep serving this long (default: until Ctrl-C on a "
-                                                       "terminal, not at all otherwise)")
+    d.add_argument("--serve-seconds", type=float, metavar="S",
+                   help="serve for S seconds, then stop (default: until Ctrl-C or SIGTERM)")
     d.set_defaults(func=cmd_demo)
     return p
 
 
+# Modules of the training stack (the `train` extra): a verb that needs one, run on a deployment install, says so.
+TRAINING_STACK = ("torch", "torchvision", "timm", "medmnist", "matplotlib", "sklearn", "onnx", "onnxscript")
+# Libraries whose INFO lines (one per HTTP request, ...) are noise to a user: shown with -v only.
+CHATTY_LOGGERS = ("httpx", "httpcore", "urllib3", "PIL", "matplotlib", "filelock", "asyncio", "bentoml")
+
+
+def _verb_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)parser of the verb named in argv (`train`, `keys new` ...), for its usage line."""
+    current = parser
+    for word in argv:
+        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            break
+        if word in subs[0].choices:
+            current = subs[0].choices[word]
+    return current
+
+
+def _unknown_arguments(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]) -> None:
+    """A mistyped flag: the verb's own usage and the closest flag it has, not the top-level usage."""
+    import difflib
+
+    verb = _verb_parser(parser, argv)
+    flags = sorted({o for a in verb._actions for o in a.option_strings})
+    bad = extras[0].split("=", 1)[0]
+    close = difflib.get_close_matches(bad, flags, n=1, cutoff=0.6) if bad.startswith("-") else []
+    hint = f"; did you mean {close[0]}?" if close else f"; see tafl {verb.prog.split(' ', 1)[-1]} --help"
+    verb.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    import traceback
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    verb = _verb_parser(parser, argv)
+    flags = [o for a in verb._actions for o in a.option_strings]
+    typos = [w for w in argv if w.startswith("--") and len(w) > 2
+             and not any(f.startswith(w.split("=", 1)[0]) for f in flags)]
+    if typos:  # before argparse, whose "required: --out" would hide that --otu was meant
+        _unknown_arguments(parser, argv, typos)
+    ns, extras = parser.parse_known_args(argv)
+    if extras:
+        _unknown_arguments(parser, argv, extras)
     level = logging.DEBUG if ns.verbose else logging.WARNING if ns.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("tafl").setLevel(level)
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if ns.verbose else logging.WARNING)
+
+    def fail(message: str) -> int:
+        if ns.verbose:
+            traceback.print_exc()
+        print(f"tafl: error: {message}", file=sys.stderr)
+        return 2
+
     try:
         return int(ns.func(ns) or 0)
+    except ServiceCallError as exc:
+        hint = "; is the service running there? (start one with: tafl serve PKG_DIR)" if exc.status == 0 else ""
+        return fail(exc.message + hint)
     except TaflError as exc:
-        print(f"tafl: error: {exc.message}", file=sys.stderr)
-        return 2
+        return fail(exc.message)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in TRAINING_STACK:
+            raise
+        return fail(f"tafl {ns.verb} needs the training stack, and {exc.name} is not installed here; install it "
+                    "with: pip install 'tafl[train]'")
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
         return 0
+    except OSError as exc:  # a file or folder the user named: missing, unreadable, a disk that is full
+        return fail(f"{exc.filename}: {exc.strerror or exc}" if exc.filename else str(exc.strerror or exc))
     except KeyboardInterrupt:
         print("tafl: interrupted; a training run continues with `tafl train --out DIR --resume`", file=sys.stderr)
         return 130

@@ -26,6 +26,34 @@ from tafl.training.methods import method_names  # the one registry; importing it
 
 PARTITIONS = ("equal", "dirichlet")
 
+# The one list of allowed values for every string option with a fixed set: `validate` checks them and the
+# command line offers them as `choices`, so `tafl train --help` and a bad config name the same values.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "method": method_names(),
+    "folder_frames": ("each", "refuse"),
+    "partition": PARTITIONS,
+    "optimizer": ("sgd", "adam"),
+    "augment_policy": ("none", "trivial", "randaugment"),
+    "lr_schedule": ("constant", "cosine"),
+    "expert_init": ("warm", "fresh"),
+    "bank_init": ("normal", "stats"),
+    "bank_anchor": ("recentre", "standardise", "penalty", "redraw", "none"),
+    "match_head": ("own", "uniform"),
+    "vote": ("hard", "soft", "confidence", "learned"),
+    "simclr_pool": ("val", "test", "train"),
+    "calibration": CALIBRATIONS,
+    "calib_holdout_mode": HOLDOUT_MODES,
+    "calib_source": ("experts", "uniform"),
+    "decision": DECISIONS,
+    "loss": ("dafl", "focal", "ce"),
+    "dafl_scale": ("mean", "paper"),
+    "aggregation": ("imbalance", "size"),
+    "tokenizer": ("patch", "conv"),
+    "engine": ("simulator", "flower"),
+    "select": ("last", "val"),
+    "device": ("cpu", "cuda", "auto"),
+}
+
 
 @dataclass
 class RunConfig:
@@ -221,10 +249,9 @@ class RunConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"config '{key}' = {getattr(self, key)!r}: {why}")
 
-        if self.method not in method_names():
-            raise bad("method", f"unknown method; choose one of {', '.join(method_names())}")
-        if self.partition not in PARTITIONS:
-            raise bad("partition", f"choose one of {', '.join(PARTITIONS)}")
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise bad(key, ("unknown method; " if key == "method" else "") + f"choose one of {', '.join(allowed)}")
         if self.imbalance_factor is not None and not self.imbalance_factor >= 1:
             raise bad("imbalance_factor", "the imbalance factor must be >= 1 (or null for the natural distribution)")
         if not self.alpha > 0:
@@ -251,24 +278,10 @@ class RunConfig:
             raise bad("channels", "must be 1 or 3")
         if not self.width > 0:
             raise bad("width", "must be > 0")
-        if self.select not in ("last", "val"):
-            raise bad("select", "choose last or val")
-        if self.expert_init not in ("warm", "fresh"):
-            raise bad("expert_init", "choose warm or fresh")
-        if self.match_head not in ("own", "uniform"):
-            raise bad("match_head", "choose own or uniform")
-        if self.bank_init not in ("stats", "normal"):
-            raise bad("bank_init", "choose normal or stats")
-        if self.bank_anchor not in ("none", "recentre", "standardise", "penalty", "redraw"):
-            raise bad("bank_anchor", "choose none, recentre, standardise, penalty or redraw")
         if not self.bank_anchor_weight >= 0:
             raise bad("bank_anchor_weight", "must be >= 0")
         if self.final_round_frac is not None and not 0 <= self.final_round_frac <= 1:
             raise bad("final_round_frac", "must be in [0, 1]")
-        if self.vote not in ("hard", "soft", "confidence", "learned"):
-            raise bad("vote", "choose hard, soft, confidence or learned")
-        if self.simclr_pool not in ("val", "test", "train"):
-            raise bad("simclr_pool", "choose val, test or train")
         if self.retrain_epochs is not None and self.retrain_epochs < 1:
             raise bad("retrain_epochs", "must be >= 1")
         for key in ("gff_m", "grad_samples", "retrain_batch", "simclr_every", "simclr_proj_dim"):
@@ -286,50 +299,24 @@ class RunConfig:
                 raise bad(key, "must be > 0")
         if not 0 <= self.gs_tau <= 1:
             raise bad("gs_tau", "must be in [0, 1]")
-        if self.engine not in ("simulator", "flower"):
-            raise bad("engine", "choose simulator or flower")
         if not self.flower_timeout > 0 or self.flower_wait_s < 0:
             raise bad("flower_timeout", "flower_timeout must be > 0 and flower_wait_s >= 0")
-        if self.optimizer not in ("sgd", "adam"):
-            raise bad("optimizer", "choose sgd or adam")
-        if self.loss not in ("dafl", "focal", "ce"):
-            raise bad("loss", "choose dafl, focal or ce")
-        if self.aggregation not in ("imbalance", "size"):
-            raise bad("aggregation", "choose imbalance or size")
-        if self.dafl_scale not in ("mean", "paper"):
-            raise bad("dafl_scale", "choose mean or paper")
-        if self.tokenizer not in ("patch", "conv"):
-            raise bad("tokenizer", "choose patch or conv")
-        if self.augment_policy not in ("none", "trivial", "randaugment"):
-            raise bad("augment_policy", "choose none, trivial or randaugment")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise bad("lr_schedule", "choose constant or cosine")
         if not 0 <= self.warmup_rounds < max(self.rounds, 1):
             raise bad("warmup_rounds", f"must be in [0, rounds={self.rounds})")
         if not 0 <= self.dafl_lambda <= 1:
             raise bad("dafl_lambda", "must be in [0, 1]")
         if not 0 <= self.gamma_init <= self.gamma_max:
             raise bad("gamma_init", f"must be in [0, gamma_max={self.gamma_max}]")
-        if self.folder_frames not in ("each", "refuse"):
-            raise bad("folder_frames", "choose each or refuse")
-        if self.calibration not in CALIBRATIONS:
-            raise bad("calibration", f"choose one of {', '.join(CALIBRATIONS)}")
         if not (math.isfinite(self.calib_l2) and self.calib_l2 >= 0):
             raise bad("calib_l2", "must be a finite number >= 0")
         if not 0 <= self.calib_holdout < 0.5:
             raise bad("calib_holdout", "must be in [0, 0.5)")
-        if self.calib_holdout_mode not in HOLDOUT_MODES:
-            raise bad("calib_holdout_mode", f"choose one of {', '.join(HOLDOUT_MODES)}")
         if self.calibration != "none" and self.calib_holdout <= 0:
             raise bad("calib_holdout", f"calibration '{self.calibration}' needs held-out client rows (e.g. 0.1)")
         if self.calib_rounds < 1 or self.adapt_draws < 1:
             raise bad("calib_rounds", "calib_rounds and adapt_draws must be >= 1")
-        if self.decision not in DECISIONS:
-            raise bad("decision", f"choose one of {', '.join(DECISIONS)}")
         if self.decision != "argmax" and self.method == "gtafl":
             raise bad("decision", "an operating point is for single-head models; GTAFL decides by its experts' vote")
-        if self.calib_source not in ("experts", "uniform"):
-            raise bad("calib_source", "choose experts or uniform")
         try:
             sizes = self.adapt_size_list()
         except ValueError:
@@ -340,11 +327,41 @@ class RunConfig:
             self.prior_smoothing_value()
         except ValueError as exc:
             raise bad("prior_smoothing", str(exc)) from None
-        if self.device not in ("cpu", "cuda", "auto"):
-            raise bad("device", "choose cpu, cuda or auto")
         if self.dataset == "folder" and (not self.data_root or not self.labels):
             raise ConfigError("dataset 'folder' needs --data-root DIR and --labels FILE.csv")
         return self
+
+
+def field_docs() -> dict[str, str]:
+    """Each RunConfig field's documentation: the comment lines right above it and the comment after it, read from
+    this file's source, the one place the fields are documented (`tafl train --help` shows them)."""
+    import io
+    import tokenize
+
+    source = Path(__file__).read_text(encoding="utf-8")
+    body = source[source.index("class RunConfig:"):source.index("    def adapt_size_list")]
+    docs: dict[str, str] = {}
+    above: list[str] = []
+    line_of_field: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(body).readline):
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            if tok.start[0] in line_of_field:  # a trailing comment: the field on that line
+                name = line_of_field[tok.start[0]]
+                docs[name] = " ".join(filter(None, [docs.get(name, ""), text]))
+            elif text.startswith("---"):  # a section header belongs to no field
+                above = []
+            else:
+                above.append(text)
+        elif tok.type == tokenize.NAME and tok.start[1] == 4 and tok.line[4:].split(":")[0].strip().isidentifier() \
+                and ":" in tok.line and tok.string not in ("def", "class"):
+            line_of_field[tok.start[0]] = tok.string
+            docs[tok.string] = " ".join(above)
+            above = []
+        elif tok.type == tokenize.NL and not tok.line.strip():
+            above = []
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    return {k: v for k, v in docs.items() if k in names}
 
 
 def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
