@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import httpx
 
-from tafl.errors import ServiceCallError  # defined in the one exception tree; re-exported here
+from tafl.errors import ConfigError, DataError, ServiceCallError  # the one exception tree; re-exported here
 
 RETRY_STATUS = {429, 502, 503, 504}  # 429: the service is at its max_concurrency
 # connection failures worth another attempt (a restarting or briefly overloaded service)
@@ -95,8 +95,21 @@ def _payload(image: str | Path | bytes) -> tuple[str, bytes]:
     p = Path(image)
     try:
         return p.name, p.read_bytes()
-    except OSError as exc:
-        raise ServiceCallError(0, f"cannot read {p}: {exc.strerror or exc}") from exc
+    except OSError as exc:  # the caller's file, not the service: a DataError, never status 0 ("no answer")
+        why = "it is a folder" if p.is_dir() else (exc.strerror or str(exc))
+        raise DataError(f"cannot read {p}: {why}") from exc
+
+
+def service_url(url: str) -> str:
+    """The service's base URL, or a ConfigError that says how to write it (httpx's own error is a traceback)."""
+    text = str(url).strip()
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    if scheme not in ("http", "https"):
+        hint = f"http://{text.split('://', 1)[-1]}" if text else "http://127.0.0.1:3000"
+        raise ConfigError(f"service URL {text!r} needs http:// or https:// in front, e.g. {hint}")
+    if not text.split("://", 1)[1].strip("/"):
+        raise ConfigError(f"service URL {text!r} names no host, e.g. http://127.0.0.1:3000")
+    return text.rstrip("/")
 
 
 def _raise_for(r: httpx.Response) -> None:
@@ -113,7 +126,7 @@ def _raise_for(r: httpx.Response) -> None:
 class _Base:
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 60.0, retries: int = 3,
                  backoff: float = 0.5, max_connections: int = 32):
-        self.url = url.rstrip("/")
+        self.url = service_url(url)
         self.retries, self.backoff = retries, backoff
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = httpx.Timeout(timeout, connect=min(10.0, timeout))

@@ -75,9 +75,25 @@ def test_retries_on_503_and_connection_errors_but_not_on_4xx():
     assert e.value.status == 0 and "cannot reach" in str(e.value) and len(calls) == 3
 
 
-def test_unreadable_file_is_a_clear_error(tmp_path):
-    with pytest.raises(ServiceCallError, match="cannot read"):
+def test_unreadable_file_is_a_clear_error_not_an_unreachable_service(tmp_path):
+    from tafl.errors import DataError
+
+    with pytest.raises(DataError, match="cannot read .*missing.png") as e:
         Client("http://127.0.0.1:9").predict(tmp_path / "missing.png")
+    assert not isinstance(e.value, ServiceCallError)  # status 0 would read as "the service did not answer"
+    with pytest.raises(DataError, match="it is a folder"):
+        Client("http://127.0.0.1:9").predict(tmp_path)
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:3150", "localhost", "ftp://127.0.0.1:3000", "http://", ""])
+def test_a_service_url_without_scheme_or_host_is_a_config_error(url):
+    from tafl.clients import AsyncClient
+    from tafl.errors import ConfigError
+
+    for cls in (Client, AsyncClient):
+        with pytest.raises(ConfigError, match="http://"):
+            cls(url)
+    assert Client("http://127.0.0.1:3150/").url == "http://127.0.0.1:3150"
 
 
 def test_the_readme_api_imports_from_tafl_clients():
