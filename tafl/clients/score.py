@@ -107,6 +107,7 @@ class ResultsFile:
         self.columns = (["path", "label", "class_name", "probability"] + [f"expert_{e}" for e in expert_names]
                         + ["model", "model_version", "error"] + self.post_cols)
         self.done: set[str] = set()
+        self.done_counts: dict[str, int] = {}  # resume: the class names already predicted in the file
         if path.exists() and path.stat().st_size > 0:
             if not resume and not force:
                 raise ConfigError(f"{path} exists; pass --resume to continue it or --force to replace it")
@@ -131,13 +132,21 @@ class ResultsFile:
         if self.jsonl:
             for line in text.splitlines():
                 if line.strip():
-                    self.done.add(json.loads(line)["path"])
+                    rec = json.loads(line)
+                    self.done.add(rec["path"])
+                    self._count(rec)
         else:
             reader = csv.DictReader(io.StringIO(text))
             if reader.fieldnames and reader.fieldnames not in (self.columns, self.columns + ADAPTIVE_COLUMNS):
                 raise ConfigError(f"{self.path} has columns {reader.fieldnames}; this model writes {self.columns} "
                                   "(a different model?); use another --out")
-            self.done = {csv_uncell(r["path"]) for r in reader}
+            for r in reader:
+                self.done.add(csv_uncell(r["path"]))
+                self._count({**r, "class_name": csv_uncell(r.get("class_name") or "")})
+
+    def _count(self, rec: dict[str, Any]) -> None:
+        if not rec.get("error") and rec.get("class_name"):
+            self.done_counts[rec["class_name"]] = self.done_counts.get(rec["class_name"], 0) + 1
 
     @staticmethod
     def _csv_line(values: list[Any]) -> str:
@@ -342,8 +351,9 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         from tafl.clients.dicom_out import DicomWriter
 
         dicom = DicomWriter(dicom_out, folder, scorer, heatmap=dicom_heatmap)
-    counts: dict[str, int] = {}
+    counts: dict[str, int] = dict(results.done_counts)  # the class mix of the whole file, earlier rows too
     failed: list[tuple[str, str]] = []
+    predicted_now = 0
     from tqdm.auto import tqdm
 
     try:
@@ -357,6 +367,7 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
                     failed.append((row.path, row.error))
                 else:
                     counts[row.class_name] = counts.get(row.class_name, 0) + 1
+                    predicted_now += 1
                 if on_row:
                     on_row(row)
                 bar.update(1)
@@ -371,7 +382,7 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
             "predicted_share": counts.get(n, 0) / scored if scored else 0.0,
             "training_share": t / total_train} for n, t in zip(names, train)]
     summary = {"images": len(images), "scored_now": len(todo), "already_done": len(images) - len(todo),
-               "predicted": scored, "failed": failed, "skipped": [rel(p) for p in skipped], "class_mix": mix,
+               "predicted": predicted_now, "predicted_in_file": scored, "failed": failed, "skipped": [rel(p) for p in skipped], "class_mix": mix,
                "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
     if dicom is not None:
         summary.update(dicom_written=dicom.written, dicom_failed=dicom.failed)
@@ -467,10 +478,24 @@ def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
 def print_summary(s: dict[str, Any]) -> None:
     print(f"\n{s['images']} image(s): {s['scored_now']} scored now, {s['already_done']} already in {s['out']}; "
           f"{len(s['failed'])} failed, {len(s['skipped'])} other file(s) skipped")
+    if not s.get("predicted_in_file", s["predicted"]):
+        print("no image has a prediction yet, so there is no class mix to show")
+    else:
+        _print_class_mix(s)
+    _print_problems(s)
+    _print_adaptive(s)
+
+
+def _print_class_mix(s: dict[str, Any]) -> None:
+    if s["already_done"]:
+        print(f"class mix over all {s['predicted_in_file']} predictions in the file, earlier runs' too:")
     print(f"{'class':40} {'predicted':>9} {'share':>7} {'training share':>15}")
     for m in s["class_mix"]:
         print(f"{m['class_name'][:40]:40} {m['predicted']:9d} {100 * m['predicted_share']:6.1f}% "
               f"{100 * m['training_share']:14.1f}%")
+
+
+def _print_problems(s: dict[str, Any]) -> None:
     for path, why in s["failed"][:20]:
         print(f"  failed: {path}: {why}")
     if len(s["failed"]) > 20:
@@ -481,6 +506,9 @@ def print_summary(s: dict[str, Any]) -> None:
             print(f"  no SR: {path}: {why}")
     for path in s["skipped"][:10]:
         print(f"  skipped (not DICOM, PNG or JPEG): {path}")
+
+
+def _print_adaptive(s: dict[str, Any]) -> None:
     pr = s.get("prior") or {}
     if pr.get("requested") == "adaptive":
         if pr.get("used") == "adaptive":
