@@ -382,3 +382,44 @@ def test_jpeg_exif_orientation_is_applied():
     result = decode_image(data)
     assert result.frames[0].shape == (40, 20, 3)  # H and W swapped
     assert result.info["exif_orientation"] == 6
+
+
+def _pixel_data_end(data: bytes) -> tuple[int, bool]:
+    """The offset just after a file's pixel data element, and whether it is encapsulated."""
+    ds = pydicom.dcmread(io.BytesIO(data))
+    at = data.rfind(b"\xe0\x7f\x10\x00")
+    assert data[at + 4:at + 6] in (b"OB", b"OW"), "the test files are explicit VR little endian"
+    if ds["PixelData"].is_undefined_length:
+        return len(data), True  # the fragments and their delimiter end the file
+    return at + 12 + int.from_bytes(data[at + 8:at + 12], "little"), False
+
+
+@pytest.mark.parametrize("name", ["CT_small.dcm", "MR_small.dcm", "JPEG2000.dcm", "SC_rgb_rle.dcm"])
+def test_a_truncated_dicom_is_422_saying_it_is_truncated(name):
+    """Issue 32: a DICOM cut short anywhere before the end of its pixel data (in its header, mid-element, at
+    an element boundary, inside a sequence, in its pixel data) says it is truncated, not that it 'holds no
+    image'; one cut only in the padding after its pixels still holds its whole image."""
+    data = _path("pydicom", name).read_bytes()
+    pixel_end, encapsulated = _pixel_data_end(data)
+    pixel_start = data.rfind(b"\xe0\x7f\x10\x00")
+    cuts = sorted({132, 133, 140, 200, 300, 400, 700, pixel_start, pixel_start + 5, pixel_start + 13,
+                   *np.linspace(132, pixel_end - 1, 40).astype(int).tolist(), pixel_end - 1})
+    cuts = [c for c in cuts if 132 <= c < pixel_end]
+    for cut in cuts:
+        with pytest.raises(ServiceError) as exc:
+            decode_image(data[:cut])
+        msg = exc.value.message
+        assert exc.value.status == 422, (cut, msg)
+        assert msg.startswith("the DICOM file is truncated"), (cut, msg)
+        if cut >= pixel_start + 12 and not encapsulated:  # the pixel data's own header is complete
+            want = pixel_end - pixel_start - 12
+            assert f"its pixel data holds {cut - pixel_start - 12:,} of {want:,} bytes" in msg, (cut, msg)
+        if cut > pixel_start + 12 and encapsulated:
+            assert "compressed pixel data ends" in msg, (cut, msg)
+        _assert_private(exc)
+    for cut in range(pixel_end, len(data)):  # CT_small: trailing padding after its pixels
+        try:  # the image is whole: it decodes, unless the cut leaves an element header pydicom cannot read
+            assert decode_image(data[:cut]).frames[0].size > 0
+        except ServiceError as exc:
+            assert exc.status == 422 and exc.message.startswith("the DICOM file is truncated: it ends inside"), \
+                (cut, exc.message)

@@ -279,16 +279,24 @@ def _render_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int)
     if deflated:  # inflated here, with a cap, rather than by pydicom (which inflates it whole)
         data = _inflate(data, scan, max_bytes)
         scan = _prescan(data, max_elements)
+    cut = truncation(scan, len(data), 132 if data[128:132] == b"DICM" else 0)
+    if cut:  # said before pydicom, which reads a cut file as far as it goes ("holds no image", a decode error)
+        raise UnprocessableImage(f"the DICOM file is truncated: {cut}; send the complete file (export it again "
+                                 "and resend it)")
     try:
         ds = pydicom.dcmread(BytesIO(data), force=data[128:132] != b"DICM")
     except Exception:
+        if scan.cut_at is not None:  # cut inside an element after the pixel data (trailing padding, say)
+            raise UnprocessableImage(f"the DICOM file is truncated: it ends inside a data element ({len(data):,} "
+                                     "bytes in all); send the complete file (export it again and resend it)") from None
         raise UnprocessableImage("the DICOM file is truncated or corrupt and could not be read: "
                                  "export it again from the PACS or modality and resend it") from None
     if not any(k in ds for k in PIXEL_KEYWORDS):
-        if "Rows" in ds:
-            raise UnprocessableImage("the DICOM file declares an image but its pixel data is missing, so it is "
-                                     "probably truncated: export it again and resend it")
         sop = _sop_class_name(ds)
+        if "Rows" in ds or (sop and "Image Storage" in sop):  # an image object cut before its pixels
+            raise UnprocessableImage(f"the DICOM file is truncated: {f'a {sop} object' if sop else 'an image'} "
+                                     f"that ends after {len(data):,} bytes, before its pixel data; send the "
+                                     "complete file (export it again and resend it)")
         raise UnprocessableImage(f"the DICOM file holds no image{f' ({sop})' if sop else ''}: send an image "
                                  "object such as CT, MR, X-ray, ultrasound or a secondary capture")
     if "Rows" not in ds or "Columns" not in ds:
@@ -584,6 +592,9 @@ class _Scan:
     elements: int = 0
     depth: int = 0
     confused: bool = False  # the walk met bytes it could not parse and stopped (pydicom may still read them)
+    pixels: tuple[int, int] | None = None  # native pixel data: (bytes in the file, bytes its length declares)
+    pixels_cut: bool = False  # encapsulated pixel data that ends before its sequence delimiter
+    cut_at: int | None = None  # offset of a top-level element whose header or value runs past the end of the file
 
 
 def _scan_dicom(data: bytes, *, max_elements: int, max_depth: int, probe: bool = False) -> _Scan:
@@ -612,16 +623,40 @@ def _scan_dicom(data: bytes, *, max_elements: int, max_depth: int, probe: bool =
         pos += hdr + length
         st.elements += 1
     st.body = pos
+    if st.group_length is not None and not probe and pos < st.group_length + 4 + int.from_bytes(
+            data[st.group_length:st.group_length + 4], "little") and pos + 8 > end:
+        st.cut_at = pos  # the file ends inside its file meta group, whose length it declares
     if st.ts == DeflatedExplicitVRLittleEndian:
         st.deflated = True
         return st
     little = st.ts != ExplicitVRBigEndian
     explicit = _explicit_here(data, pos, st.ts != ImplicitVRLittleEndian if st.ts else True)
     try:
-        _walk(data, pos, end, explicit, little, 0, st, max_elements, max_depth, probe)
-    except (IndexError, struct.error, ValueError):
+        stop = _walk(data, pos, end, explicit, little, 0, st, max_elements, max_depth, probe)
+        if st.cut_at is None and not st.confused and not probe and 0 < end - stop < 8:
+            st.cut_at = stop  # the file ends inside an element's header
+    except (IndexError, struct.error):  # a header read past the end of the data: the file is cut short
+        st.confused = True
+        if st.cut_at is None and not probe:
+            st.cut_at = end
+    except ValueError:
         st.confused = True
     return st
+
+
+def truncation(st: _Scan, size: int, header: int) -> str | None:
+    """What a walk found cut short, as the 422's reason: the pixel data, or (when the walk met no pixel data
+    at all) an element before it. None for a complete file, or one cut only after its pixel data (trailing
+    padding), which still holds its whole image."""
+    if st.pixels is not None and st.pixels[0] < st.pixels[1]:
+        return f"its pixel data holds {st.pixels[0]:,} of {st.pixels[1]:,} bytes"
+    if st.pixels_cut:
+        return "its compressed pixel data ends inside a fragment, before the end of its fragment sequence"
+    if st.pixels is None and st.cut_at is not None:
+        return f"it ends inside a data element ({size:,} bytes in all), before any pixel data"
+    if st.pixels is None and st.elements == 0 and not st.confused and size <= header + 8:
+        return f"it ends after {size:,} bytes, before its first data element"
+    return None
 
 
 # (uint16, uint32) unpackers per byte order, built once: the walk recurses per sequence item
@@ -629,8 +664,9 @@ _STRUCTS = {o: (struct.Struct(o + "H"), struct.Struct(o + "I")) for o in "<>"}
 
 
 def _walk(data: bytes, pos: int, end: int, explicit: bool, little: bool, depth: int, st: _Scan,
-          max_elements: int, max_depth: int, probe: bool) -> int:
-    """Walk elements from `pos` up to `end` or an item delimiter; returns the offset after them."""
+          max_elements: int, max_depth: int, probe: bool, open_item: bool = False) -> int:
+    """Walk elements from `pos` up to `end` or an item delimiter; returns the offset after them. `open_item`:
+    the elements of an undefined-length item, which must end with its delimiter (else the file is cut)."""
     order = "<" if little else ">"
     u16, u32 = _STRUCTS[order]
     while pos + 8 <= end:
@@ -665,9 +701,14 @@ def _walk(data: bytes, pos: int, end: int, explicit: bool, little: bool, depth: 
             if probe:
                 return end
             if length == _UNDEFINED:  # encapsulated: skip its items (checked after pydicom reads them)
-                pos = _skip_items(data, pos, end, u32, u16)
+                pos, complete = _skip_items(data, pos, end, u32, u16)
+                st.pixels_cut = st.pixels_cut or not complete
+                st.pixels = st.pixels or (0, 0)
                 continue
+            st.pixels = (max(0, min(length, end - pos)), length)
             is_sq = False
+        if st.cut_at is None and length != _UNDEFINED and pos + length > len(data):
+            st.cut_at = pos  # the file ends inside this element's value
         if is_sq and tag != 0x7FE00010:
             if depth + 1 > max_depth:
                 raise _Limit("depth")
@@ -676,17 +717,21 @@ def _walk(data: bytes, pos: int, end: int, explicit: bool, little: bool, depth: 
             sub_explicit = explicit and not implicit_here
             sub_little = little and not implicit_here or implicit_here
             pos = _walk_items(data, pos, stop, sub_explicit, sub_little, depth + 1, st, max_elements,
-                              max_depth, probe)
+                              max_depth, probe, open_seq=length == _UNDEFINED)
             continue
         if length == _UNDEFINED:
             st.confused = True
             return end
         pos += length
+    if open_item and end >= len(data) and st.cut_at is None and not probe:
+        st.cut_at = pos  # the file ends before the item's delimiter
     return pos
 
 
 def _walk_items(data: bytes, pos: int, stop: int, explicit: bool, little: bool, depth: int, st: _Scan,
-                max_elements: int, max_depth: int, probe: bool) -> int:
+                max_elements: int, max_depth: int, probe: bool, open_seq: bool = False) -> int:
+    """Walk a sequence's items up to `stop` or its delimiter; `open_seq`: an undefined-length sequence, which
+    must end with its delimiter (else the file is cut)."""
     order = "<" if little else ">"
     u16, u32 = _STRUCTS[order]
     while pos + 8 <= stop:
@@ -703,11 +748,16 @@ def _walk_items(data: bytes, pos: int, stop: int, explicit: bool, little: bool, 
             raise _Limit("elements")
         item_explicit = _explicit_here(data, pos, explicit)
         if length == _UNDEFINED:
-            pos = _walk(data, pos, len(data), item_explicit, little, depth, st, max_elements, max_depth, probe)
+            pos = _walk(data, pos, len(data), item_explicit, little, depth, st, max_elements, max_depth, probe,
+                        open_item=True)
         else:
+            if st.cut_at is None and pos + length > len(data):
+                st.cut_at = pos  # the file ends inside this item
             _walk(data, pos, min(stop, pos + length), item_explicit, little, depth, st, max_elements, max_depth,
                   probe)
             pos += length
+    if open_seq and stop >= len(data) and st.cut_at is None and not probe:
+        st.cut_at = pos  # the file ends before the sequence's delimiter
     return pos
 
 
@@ -719,16 +769,18 @@ def _explicit_here(data: bytes, pos: int, default: bool) -> bool:
     return data[pos + 4:pos + 6] in _ALL_VRS
 
 
-def _skip_items(data: bytes, pos: int, end: int, u32: struct.Struct, u16: struct.Struct) -> int:
+def _skip_items(data: bytes, pos: int, end: int, u32: struct.Struct, u16: struct.Struct) -> tuple[int, bool]:
+    """The offset after an encapsulated pixel data's items, and False when the file ends before their
+    sequence delimiter (inside a fragment, or between them: a truncated file)."""
     while pos + 8 <= end:
         tag = u16.unpack_from(data, pos)[0] << 16 | u16.unpack_from(data, pos + 2)[0]
         length = u32.unpack_from(data, pos + 4)[0]
         if tag == _SEQ_END:
-            return pos + 8
+            return pos + 8, True
         if tag != _ITEM or length == _UNDEFINED:
-            return end
+            return end, True  # not items: left to pydicom and the fragment checks
         pos += 8 + length
-    return end
+    return end, False
 
 
 def _record(st: _Scan, tag: int, raw: bytes, explicit: bool, order: str) -> None:
