@@ -215,6 +215,18 @@ def validate_metadata(meta: Any, where: str = "metadata.json") -> None:
             raise PackageError(f"{where}: each expert needs a 'name' and a numeric 'weight'")
 
 
+def run_folder_hint(folder: Path) -> None:
+    """PackageError saying how to make a package when `folder` is a training run's output (final.pt, run.json)
+    rather than a package: what `tafl serve runs/x` meets."""
+    if (folder / "final.pt").is_file():
+        raise PackageError(f"{folder} is a training run folder, not a model package; make one with: "
+                           f"tafl export {folder / 'final.pt'} --out PKG")
+    if (folder / "run.json").is_file():
+        raise PackageError(f"{folder} is a training run folder without a final model (final.pt; the run has not "
+                           f"finished), not a model package; finish it with: tafl train --out {folder} --resume, "
+                           f"then: tafl export {folder / 'final.pt'} --out PKG")
+
+
 def load_package(path: str | Path, trusted_keys: Any = None) -> ModelPackage:
     """Verify the signature (when keys are configured), the checksums and the metadata; a tampered, unsigned
     or incomplete package is refused with a PackageError.
@@ -235,6 +247,7 @@ def load_package(path: str | Path, trusted_keys: Any = None) -> ModelPackage:
         raise PackageError(f"model package not found: {folder} is not a folder")
     sums = folder / SUMS
     if not sums.is_file():
+        run_folder_hint(folder)
         raise PackageError(f"{folder}: incomplete package, {SUMS} is missing")
     sums_bytes = _read_small(sums, MAX_SUMS_BYTES)
     signed_by = None
