@@ -38,6 +38,7 @@ from tafl.imaging.heatmap import overlay, png_bytes
 from tafl.serving.decoding import INLINE_BYTES, DecodePool, decode_upload, default_processes
 from tafl.serving.multipart import parse_simple
 from tafl.serving.runtime import LoadedModel, ModelRegistry
+from tafl.settings import env_float, env_int
 
 log = logging.getLogger("tafl.serving")
 audit_log = logging.getLogger("tafl.audit")
@@ -73,6 +74,8 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
+        """The settings in the TAFL_* environment variables; a bad number is a ConfigError naming its variable
+        (tafl.settings)."""
         env = os.environ
         # commas only: a BentoML tag `name:version` contains os.pathsep on POSIX. Unset, the service
         # serves the store model bentofile.yaml bundles (`bentoml serve tafl:latest` does not apply
@@ -82,21 +85,38 @@ class Settings:
         # the admin token never falls back to the API token: a client that may predict may not swap the model
         return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or None,
                    package_root=env.get("TAFL_PACKAGE_ROOT", "").strip() or None,
-                   max_upload_bytes=int(float(env.get("TAFL_MAX_UPLOAD_MB", "50")) * 2**20),
-                   max_pixels=int(float(env.get("TAFL_MAX_PIXELS", "50000000"))),
-                   max_frames=int(env.get("TAFL_MAX_FRAMES", "64")),
-                   max_batch_files=int(env.get("TAFL_MAX_BATCH_FILES", "64")),
-                   timeout_s=float(env.get("TAFL_REQUEST_TIMEOUT_S", "30")),
-                   max_batch=int(env.get("TAFL_MAX_BATCH", "64")),
-                   batch_wait_ms=float(env.get("TAFL_BATCH_WAIT_MS", "2")),
-                   ort_threads=int(env["TAFL_ORT_THREADS"]) if env.get("TAFL_ORT_THREADS") else None,
+                   max_upload_bytes=int(env_float("TAFL_MAX_UPLOAD_MB", 50.0) * 2**20),
+                   max_pixels=env_int("TAFL_MAX_PIXELS", 50_000_000),
+                   max_frames=env_int("TAFL_MAX_FRAMES", 64),
+                   max_batch_files=env_int("TAFL_MAX_BATCH_FILES", 64),
+                   timeout_s=env_float("TAFL_REQUEST_TIMEOUT_S", 30.0),
+                   max_batch=env_int("TAFL_MAX_BATCH", 64),
+                   batch_wait_ms=env_float("TAFL_BATCH_WAIT_MS", 2.0, inclusive=True),
+                   ort_threads=env_int("TAFL_ORT_THREADS", 0, minimum=0) or None,  # 0 or unset: ONNX Runtime's own
                    audit_path=env.get("TAFL_AUDIT_LOG") or None,
-                   prior_window=int(env.get("TAFL_PRIOR_WINDOW", "500")),
-                   prior_refresh=int(env.get("TAFL_PRIOR_REFRESH", "50")),
-                   prior_min_images=int(env.get("TAFL_PRIOR_MIN_IMAGES", "100")),
-                   max_request_frames=int(env.get("TAFL_MAX_REQUEST_FRAMES", "256")),
-                   max_request_pixels=int(float(env.get("TAFL_MAX_REQUEST_PIXELS", "100000000"))),
-                   decode_processes=int(env.get("TAFL_DECODE_PROCESSES", str(default_processes()))))
+                   prior_window=env_int("TAFL_PRIOR_WINDOW", 500),
+                   prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
+                   prior_min_images=env_int("TAFL_PRIOR_MIN_IMAGES", 100),
+                   max_request_frames=env_int("TAFL_MAX_REQUEST_FRAMES", 256),
+                   max_request_pixels=env_int("TAFL_MAX_REQUEST_PIXELS", 100_000_000),
+                   decode_processes=env_int("TAFL_DECODE_PROCESSES", default_processes(), minimum=0))
+
+
+def max_concurrency() -> int:
+    """TAFL_MAX_CONCURRENCY (default 128): requests in flight past which BentoML answers 429."""
+    return env_int("TAFL_MAX_CONCURRENCY", 128)
+
+
+def check_service_env() -> Settings:
+    """Every TAFL_* setting the service reads at start, checked: the Settings, TAFL_MAX_CONCURRENCY and
+    TAFL_PRIOR_ADAPTIVE. ConfigError (one line naming the variable) on the first bad one; `tafl serve`
+    calls it before anything starts, the service module when BentoML imports it."""
+    from tafl.prior import adaptive_blocked
+
+    settings = Settings.from_env()
+    max_concurrency()
+    adaptive_blocked(None)
+    return settings
 
 
 class State:
@@ -145,6 +165,14 @@ def configure(settings: Settings, registry: ModelRegistry, counter: Any = None, 
         audit_log.addHandler(handler)
         audit_log.setLevel(logging.INFO)
         audit_log.propagate = False
+
+
+def shutdown() -> None:
+    """The worker's cleanup at stop (BentoML's on_shutdown hook): the decoder processes and their queues go
+    before uvicorn ends the process."""
+    pool, state.decode_pool = state.decode_pool, None
+    if pool is not None:
+        pool.close(wait=True)
 
 
 # ------------------------------------------------------------------ response helpers

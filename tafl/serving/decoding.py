@@ -118,11 +118,21 @@ class DecodePool:
         raise UnprocessableImage("the DICOM file made the image decoder fail: check that it is a complete, "
                                  "standard image object, export it again and resend it")
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop the decoder processes. With `wait` (the service's shutdown) also wait until they and the
+        pool's queues are gone, and release the queues' semaphores: uvicorn ends its worker by re-raising
+        SIGTERM after its shutdown, so no atexit handler runs there, and semaphores still registered then
+        are reported by multiprocessing's resource tracker as "leaked" (5 per pool)."""
         with self._lock:
             pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        if pool is None:
+            return
+        pool.shutdown(wait=wait, cancel_futures=True)
+        if wait:
+            del pool  # the last reference to the pool's queues: their semaphores unregister now
+            import gc
+
+            gc.collect()
 
 
 def needs_codec(data: bytes) -> bool:

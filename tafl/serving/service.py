@@ -9,14 +9,24 @@ live in `tafl.serving.app`; BentoML adds /healthz, /livez, /readyz and /metrics,
 from __future__ import annotations
 
 import logging
-import os
 
 import bentoml
 
-from tafl.serving.app import Settings, app, configure
+from tafl.errors import ConfigError
+from tafl.serving.app import Settings, app, check_service_env, configure, max_concurrency
+from tafl.serving.app import shutdown as release_worker
 from tafl.serving.runtime import ModelRegistry
 
 log = logging.getLogger("tafl.serving")
+
+# A bad TAFL_* setting ends the server here, when `bentoml serve` imports this module and before any worker
+# starts, with one line naming the variable (without it a worker died in __init__ with a traceback and was
+# restarted every 10 s, for ever). `tafl serve` checks the same before it starts anything (launch.preflight).
+try:
+    check_service_env()
+except ConfigError as _exc:
+    log.error("tafl service: %s", _exc.message)  # with no handler configured, logging's last resort prints it
+    raise SystemExit(2) from None
 
 PREDICTED = bentoml.metrics.Counter(
     name="tafl_predicted_class",
@@ -38,7 +48,7 @@ CASE_MIX_SHIFT = bentoml.metrics.Gauge(
 
 # Admission: past `max_concurrency` requests in flight BentoML answers 429 at once (its health and metrics
 # routes are exempt), so a flood queues no unbounded work; read at import, as the decorator needs it.
-MAX_CONCURRENCY = int(os.environ.get("TAFL_MAX_CONCURRENCY", "128"))
+MAX_CONCURRENCY = max_concurrency()
 
 
 @bentoml.service(name="tafl", resources={"gpu": 1}, workers=1,
@@ -59,3 +69,7 @@ class TaflService:
         log.info("tafl service ready with %s (auth %s)", ", ".join(f"{m['name']} {m['version']}"
                                                                    for m in self.registry.describe()),
                  "on" if settings.token else "off")
+
+    @bentoml.on_shutdown
+    def shutdown(self) -> None:
+        release_worker()  # the decoder processes and their semaphores go before uvicorn ends the worker
