@@ -126,7 +126,32 @@ def train(cfg: RunConfig, out: str | Path, *, resume: bool = False, force: bool 
     prepared)` gives the engine that reaches the clients (default: the in-process simulator).
     """
     out = Path(out)
+    fresh = not resume and not (out.exists() and any(out.iterdir()))
     cfg = _prepare_out(out, cfg.validate(), resume, force)
+    try:
+        return _train_logged(cfg, out, resume, progress, init_from, parent_package, transport_factory)
+    except BaseException:
+        if not resume:
+            discard_unstarted_run(out, fresh)
+        raise
+
+
+def discard_unstarted_run(out: Path, fresh: bool) -> None:
+    """A run that failed before its first checkpoint (a missing dataset, a bad folder CSV) leaves no folder behind,
+    or, where the folder held other things before (--force), no run.json: the retry with the same --out is not
+    refused as "already holds files"."""
+    ckpts = out / "checkpoints"
+    if (ckpts.is_dir() and any(ckpts.iterdir())) or (out / "final.pt").exists():
+        return
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        for name in ("run.json", "train.log"):
+            (out / name).unlink(missing_ok=True)
+
+
+def _train_logged(cfg: RunConfig, out: Path, resume: bool, progress: bool | None, init_from, parent_package,
+                  transport_factory) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
