@@ -1,8 +1,13 @@
-"""The model card (README.md of a package), generated from metadata.json alone."""
+"""The model card (README.md of a package), generated from metadata.json alone.
+
+It opens with the plain-language summary a clinician reads first (tafl.packaging.summary, the same one the
+service's page shows above each model); the method's detail follows."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from tafl.packaging.summary import DISTRIBUTIONS_NOTE, summary_markdown
 
 ORDER = ("forward50", "forward25", "forward10", "forward5", "forward2", "uniform", "backward2", "backward5",
          "backward10", "backward25", "backward50")
@@ -49,7 +54,7 @@ def _prior_line(pr: dict[str, Any]) -> str:
 
 def render_card(m: dict[str, Any]) -> str:
     cfg = m["training"]["run_config"]
-    lines = [f"# {m['name']} {m['version']}", "",
+    lines = [f"# {m['name']} {m['version']}", ""] + summary_markdown(m) + ["", "## About this model", "",
              f"{m['task'].capitalize()} by **{m['method']}** on a **{m['backbone']}** backbone, exported "
              f"{m['created']} by tafl {m.get('tafl_version', '?')}.", ""]
     if m.get("parent_version"):
@@ -80,7 +85,7 @@ def render_card(m: dict[str, Any]) -> str:
     if met:
         lines += [f"{met['source']}. Mean over the eleven test distributions: **{_pct(met['average_accuracy'])}**.", "",
                   "| " + " | ".join(ORDER) + " |", "|" + "---|" * len(ORDER),
-                  "| " + " | ".join(_pct(met["accuracy"].get(k)) for k in ORDER) + " |"]
+                  "| " + " | ".join(_pct(met["accuracy"].get(k)) for k in ORDER) + " |", "", DISTRIBUTIONS_NOTE]
         um = met.get("uniform_metrics") or {}
         if um:
             lines += ["", f"Under a uniform class prior: macro F1 {_pct(um.get('macro_f1'))}, precision "

@@ -1,0 +1,160 @@
+"""A package in plain words, for a clinician: what it sorts, how often it is right, which findings it misses, and
+what it must not be used for; and each class's share of the training images.
+
+Everything comes from metadata.json alone (no torch, no per-dataset text), so the model card (tafl.packaging.card)
+and the service's page (tafl.serving.ui) say the same thing from one implementation: `plain_summary` gives the
+parts, `summary_markdown` the card's lines, the page's template renders the parts as HTML.
+
+Words of the method (forward50, backward50, Dirichlet, total variation) stay out of the summary: the test
+distributions are named by what they mean at a site. forward50 is the test split resampled to the training
+set's long tail (common findings common, rare findings rarer still), uniform every class equally common, and
+backward50 the tail reversed (the usually rare findings the most common).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# a class whose test images the model labels correctly at least this often is "recognised well"; below MISSED
+# it is "often missed" (the export's limitations name the classes under one half too, tafl.packaging.export)
+WELL, MISSED = 0.8, 0.5
+# a drop this large from the training-like mix to the reversed one is worth a warning of its own
+REVERSED_DROP = 0.10
+
+# (distribution, plain words), in the order the summary gives them
+RIGHT = "labelled correctly "
+MIXES = (("forward50", RIGHT + "when the case mix is like training (common findings common, rare ones rare)"),
+         ("uniform", RIGHT + "when every class is equally common"),
+         ("backward50", RIGHT + "when rare findings become common (the usual mix reversed)"))
+
+# the detail's short explanation of the eleven distributions' names (docs/design.md §3)
+DISTRIBUTIONS_NOTE = ("forwardN: the classes as common as in training's long tail, the most common N times the "
+                      "rarest; uniform: every class equally common; backwardN: the same tail reversed, the "
+                      "training's rarest class the most common. Each accuracy weighs the per-class accuracy on the "
+                      "test split by that mix.")
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def whole_pct(v: float) -> str:
+    """A share as a whole percentage: the summary's numbers are for reading, the detail keeps one decimal."""
+    return f"{100 * v:.0f}%"
+
+
+def training_shares(meta: dict[str, Any]) -> list[float] | None:
+    """Each class's share of the training images: metadata `training.train_class_counts` divided by their sum.
+
+    The same rule as the "training share" `tafl score` prints (tafl/clients/score.py: count / sum of counts).
+    None where the package records no usable counts (missing, one per class not given, negative or all zero),
+    where `tafl score` would print 0 % for every class. Not the package's `prior.source_prior`: that is the
+    class mix the model's probabilities assume, which for an ensemble trained toward balance is uniform and
+    says nothing about how many images of each class it saw."""
+    counts = (meta.get("training") or {}).get("train_class_counts")
+    names = meta.get("class_names") or []
+    if not isinstance(counts, list) or len(counts) != len(names):
+        return None
+    vals = [_num(c) for c in counts]
+    if any(v is None or v < 0 for v in vals):
+        return None
+    total = sum(vals)  # type: ignore[arg-type]
+    return [v / total for v in vals] if total > 0 else None  # type: ignore[operator]
+
+
+def _dataset(meta: dict[str, Any]) -> str:
+    run = (meta.get("training") or {}).get("run_config") or {}
+    return str(run.get("dataset") or (meta.get("data_provenance") or {}).get("source") or "?")
+
+
+def _image_kind(meta: dict[str, Any]) -> tuple[str, str]:
+    """('greyscale images', ', shrunk to 64×64 pixels') from the package's preprocessing: what the model saw."""
+    pre = (meta.get("input") or {}).get("preprocess") or {}
+    ch, size = pre.get("channels"), pre.get("size")
+    kind = {1: "greyscale", 3: "colour"}.get(ch, f"{ch}-channel" if ch else "")
+    return (f"{kind} images" if kind else "images"), (f", shrunk to {size}×{size} pixels" if size else "")
+
+
+def plain_summary(meta: dict[str, Any]) -> dict[str, Any]:
+    """The summary's parts:
+
+    - `what`: one sentence, what the model sorts and into which classes;
+    - `accuracy`: [(plain words, whole %, value)] for the training-like, balanced and reversed case mixes that
+      the package measured (empty without metrics);
+    - `groups`: [(heading, [(class, whole %)], note)] recognised well / sometimes missed / often missed / not
+      measured, empty groups left out, from the per-class accuracy on the test split (each class's recall);
+    - `not_for`: [sentence] what it must not be used for;
+    - `measured`: where the numbers come from, in one plain line (None without metrics)."""
+    names = [str(c) for c in meta.get("class_names") or []]
+    met = meta.get("metrics") or {}
+    acc = met.get("accuracy") or {}
+    dataset = _dataset(meta)
+    n_train = (meta.get("data_provenance") or {}).get("n_train")
+    what = f"Sorts {dataset} images into one of {len(names)} classes: {', '.join(names)}."
+
+    accuracy = [(words, whole_pct(v), v) for k, words in MIXES if (v := _num(acc.get(k))) is not None]
+
+    per_class = met.get("per_class_accuracy") or []
+    well, between, missed, untested = [], [], [], []
+    for i, c in enumerate(names):
+        v = _num(per_class[i]) if i < len(per_class) else None
+        if v is None:
+            untested.append((c, "—"))
+        else:
+            (well if v >= WELL else missed if v < MISSED else between).append((c, whole_pct(v), v))
+    groups = []
+    for heading, items, note in (
+            (f"Recognises well (finds at least {WELL:.0%} of its test cases)", well, ""),
+            (f"Sometimes misses (finds {MISSED:.0%} to {WELL:.0%})", between, ""),
+            (f"Often misses (finds fewer than {MISSED:.0%})", missed,
+             "a negative answer for these findings means little")):
+        if items:  # the most reliable first within each group
+            groups.append((heading, [(c, p) for c, p, _ in sorted(items, key=lambda t: -t[2])], note))
+    if untested and per_class:
+        groups.append(("Not measured (no test images of the class)", untested, ""))
+
+    seen = f"{n_train} " if isinstance(n_train, int) else ""
+    kind, shrunk = _image_kind(meta)
+    not_for = [
+        "A diagnosis on its own: it is decision support, to be read by a clinician beside the image and the "
+        "patient's record.",
+        f"Findings outside its {len(names)} classes: it has no \"none of these\" answer, so an image of anything "
+        "else still gets one of its labels.",
+        f"Other kinds of images: it learned only from {seen}{kind} of the {dataset} collection{shrunk}; images "
+        "from another modality, body site, device or hospital may be misread without any warning.",
+    ]
+    by_mix = {k: _num(acc.get(k)) for k, _ in MIXES}
+    fwd, bwd = by_mix["forward50"], by_mix["backward50"]
+    if fwd is not None and bwd is not None and fwd - bwd >= REVERSED_DROP:
+        not_for.append(f"A site where the usually rare findings are common, unless checked there first: its "
+                       f"accuracy falls from {whole_pct(fwd)} to {whole_pct(bwd)} when rare findings become common.")
+    if not acc:
+        not_for.append("Any use before it has been evaluated: this package records no measured accuracy.")
+    measured = None
+    if acc or per_class:
+        measured = (f"Measured on the {dataset} test images held out from training: a class's share found is the "
+                    "part of its test images labelled correctly, and the accuracy for a case mix weighs those shares "
+                    "by how common each class is in that mix.")
+    return {"what": what, "accuracy": [(w, p) for w, p, _ in accuracy], "groups": groups, "not_for": not_for,
+            "measured": measured}
+
+
+def summary_markdown(meta: dict[str, Any]) -> list[str]:
+    """The summary as Markdown lines (the model card's first section)."""
+    s = plain_summary(meta)
+    lines = ["## In short", "", s["what"], ""]
+    if s["accuracy"]:
+        lines += ["**How often it is right**", ""] + [f"- {p} {w}" for w, p in s["accuracy"]] + [""]
+    if s["groups"]:
+        lines += ["**Which findings it recognises**", ""]
+        lines += [f"- {h}: " + ", ".join(f"{c} ({p})" for c, p in items) + (f"; {n}." if n else ".")
+                  for h, items, n in s["groups"]] + [""]
+    lines += ["**Do not use it for**", ""] + [f"- {x}" for x in s["not_for"]]
+    if s["measured"]:
+        lines += ["", f"_{s['measured']}_"]
+    return lines
