@@ -1,9 +1,13 @@
 """The service's page for people (issue 19): `GET /` and `/ui/...`, server-rendered with Jinja2.
 
-Per loaded model it shows name, version, lineage, checksum and signature status, the model card, the
-eleven-distribution accuracy chart and per-class table from the package's metadata, the class mix it has
-predicted since the worker started (the same `tafl_predicted_class` counter `/metrics` reads) beside the
-training mix (the package's source prior), and the case-mix estimate with its distance from that prior. A
+Per loaded model it opens with a plain-language summary for a clinician (tafl.packaging.summary, the same
+text that opens the model card: which findings it recognises and misses, how often it is right when the case
+mix is like training and when rare findings become common, what it must not be used for), then the detail:
+name, version, lineage, checksum and signature status, the eleven-distribution accuracy chart and per-class
+table from the package's metadata, the class mix it has predicted since the worker started (the same
+`tafl_predicted_class` counter `/metrics` reads) beside the training mix (each class's share of the training
+images, as `tafl score` prints it; not the source prior, which for a balanced ensemble is uniform), the
+case-mix estimate with its distance from the source prior, and the model card. A
 "try an image" form posts to the same `/predict` route as any client (ui/static/ui.js), so the limits, the
 auth and the error messages are the API's own.
 
@@ -34,6 +38,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tafl.imaging.heatmap import _jet, overlay
+from tafl.packaging.summary import DISTRIBUTIONS_NOTE, plain_summary, training_shares
+
 log = logging.getLogger("tafl.serving")
 
 HERE = Path(__file__).resolve().parent / "ui"
@@ -45,6 +52,9 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
                     "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
+# a source prior this far (largest per-class gap) from the training mix gets its own column: the drift distance
+# is measured from it, so a reader must see which mix that is
+ASSUMED_GAP = 0.005
 COLOURS = {"train": "#7a869a", "served": "#1f77b4", "estimate": "#d95f02", "bar": "#2b6cb0"}
 
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")),
@@ -112,16 +122,20 @@ def render_card(text: str) -> Markup:
 
 
 # ------------------------------------------------------------------ charts (SVG strings, every text escaped)
-def _svg_open(width: int, height: int, uid: str, title: str, desc: str) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {width} {height}" '
+def _svg_open(width: int, height: int, uid: str, title: str, desc: str, cls: str = "chart", svg_id: str = "") -> str:
+    ident = f' id="{svg_id}"' if svg_id else ""
+    return (f'<svg xmlns="http://www.w3.org/2000/svg"{ident} class="{cls}" viewBox="0 0 {width} {height}" '
             f'width="{width}" height="{height}" role="img" aria-labelledby="{uid}-t {uid}-d" '
             f'aria-label="{escape(title)}"><title id="{uid}-t">{escape(title)}</title>'
             f'<desc id="{uid}-d">{escape(desc)}</desc>')
 
 
 def accuracy_chart(accuracy: dict[str, Any], average: Any, uid: str, what: str) -> Markup:
-    """Bars of the accuracy on the eleven test distributions (forward50 … backward50), 0–100 %."""
-    W, H, left, right, top, bottom = 660, 270, 48, 12, 22, 78
+    """Bars of the accuracy on the eleven test distributions (forward50 … backward50), 0–100 %.
+
+    The dashed mean line spans the bars and its label sits in a margin of its own right of them: drawn over
+    the plot it covered the last bars and their values."""
+    W, H, left, right, top, bottom = 700, 270, 48, 82, 22, 78
     pw, ph = W - left - right, H - top - bottom
     step = pw / len(DISTRIBUTIONS)
     vals = [_num(accuracy.get(k)) for k in DISTRIBUTIONS]
@@ -152,8 +166,8 @@ def accuracy_chart(accuracy: dict[str, Any], average: Any, uid: str, what: str) 
     if avg is not None:
         y = top + ph * (1 - min(max(avg, 0.0), 1.0))
         parts.append(f'<line x1="{left}" x2="{W - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#222" '
-                     f'stroke-dasharray="5 4" stroke-width="1.2"/><text x="{W - right}" y="{y - 4:.1f}" '
-                     f'text-anchor="end" font-size="11" fill="#222">mean {pct(avg)}</text>')
+                     f'stroke-dasharray="5 4" stroke-width="1.2"/><text class="mean-label" x="{W - right + 6}" '
+                     f'y="{y + 4:.1f}" text-anchor="start" font-size="11" fill="#222">mean {pct(avg)}</text>')
     parts.append("</svg>")
     return Markup("".join(parts))
 
@@ -188,6 +202,37 @@ def mix_chart(classes: list[str], series: list[tuple[str, str, list[float | None
                          f'{pct(v, 0) if v is not None else "n/a"}</text>')
     parts.append(f'<line x1="{label_w}" x2="{label_w}" y1="{top - 2}" y2="{H - 4}" stroke="#888"/></svg>')
     return Markup("".join(parts))
+
+
+def heatmap_legend() -> Markup:
+    """The heatmap's colour scale, low to high attention: stops sampled from the very colour map the overlay is
+    drawn with (tafl.imaging.heatmap), and its blend with the image, so the legend cannot drift from it."""
+    import inspect
+
+    import numpy as np
+
+    W, H, left, right, bar_y, bar_h = 360, 40, 8, 8, 4, 14
+    stops = _jet(np.linspace(0.0, 1.0, 11)[None, :])[0]
+    alpha = inspect.signature(overlay).parameters["alpha"].default
+    grad = "".join(f'<stop offset="{i / (len(stops) - 1):.2f}" stop-color="#{r:02x}{g:02x}{b:02x}"/>'
+                   for i, (r, g, b) in enumerate(stops.tolist()))
+    desc = (f"Colour scale of the heatmap, blended at {alpha:.0%} over the image: dark blue is where the model "
+            "paid the least attention, through cyan, green and yellow, to dark red where it paid the most (each "
+            "heatmap is scaled to its own strongest spot, so the colours compare places within one image only).")
+    parts = [_svg_open(W, H, "heatmap-legend", "Heatmap colours: low to high attention", desc, "chart legend",
+                       "heatmap-legend"),
+             f'<defs><linearGradient id="heatmap-legend-g" x1="0" x2="1" y1="0" y2="0">{grad}</linearGradient></defs>',
+             f'<rect x="{left}" y="{bar_y}" width="{W - left - right}" height="{bar_h}" fill="url(#heatmap-legend-g)" '
+             'stroke="#888" stroke-width="0.5"/>',
+             f'<text x="{left}" y="{bar_y + bar_h + 14}" font-size="11" fill="#222">low attention</text>',
+             f'<text x="{W - right}" y="{bar_y + bar_h + 14}" font-size="11" fill="#222" text-anchor="end">'
+             'high attention</text>',
+             f'<text x="{W / 2:.0f}" y="{bar_y + bar_h + 14}" font-size="10" fill="#57606a" text-anchor="middle">'
+             f'blended {alpha:.0%} over the image</text></svg>']
+    return Markup("".join(parts))
+
+
+HEATMAP_LEGEND = heatmap_legend()
 
 
 # ------------------------------------------------------------------ what the panel shows
@@ -251,6 +296,11 @@ def _static_view(model, index: int) -> dict[str, Any]:
     per_class = met.get("per_class_accuracy") or [None] * len(names)
     counts = (meta.get("training") or {}).get("train_class_counts") or [None] * len(names)
     source = ((meta.get("prior") or {}).get("source_prior")) or []
+    # the training mix is the training images' class shares, by the same rule as `tafl score`'s training share;
+    # the source prior (the mix the probabilities assume) is shown beside it only where it differs
+    shares = training_shares(meta) or [None] * len(names)
+    assumed = [_num(source[i]) if i < len(source) else None for i in range(len(names))]
+    differs = any(a is not None and (t is None or abs(a - t) > ASSUMED_GAP) for a, t in zip(assumed, shares))
     parent = meta.get("parent") or {}
     lineage = []
     if meta.get("parent_version"):
@@ -279,9 +329,10 @@ def _static_view(model, index: int) -> dict[str, Any]:
         "classes": names, "class_rows": [
             {"index": i, "name": c, "train_images": counts[i] if i < len(counts) and counts[i] is not None else "—",
              "accuracy": pct(per_class[i] if i < len(per_class) else None),
-             "source": _num(source[i]) if i < len(source) else None} for i, c in enumerate(names)],
+             "train_share": shares[i], "assumed": assumed[i]} for i, c in enumerate(names)],
         "card": render_card(pkg.card),
         "intended_use": meta.get("intended_use"),
+        "summary": plain_summary(meta), "distributions_note": DISTRIBUTIONS_NOTE, "assumed_differs": differs,
     }
     with _static_lock:
         if len(_static_cache) > 64:  # reloads leave old versions behind
@@ -297,7 +348,7 @@ def _live_view(model, static: dict[str, Any]) -> dict[str, Any]:
     counts = predicted_counts(pkg.name, pkg.version)
     total = sum(counts.values())
     served = [counts.get(c, 0.0) / total if total else None for c in names]
-    source = [r["source"] for r in static["class_rows"]]
+    train = [r["train_share"] for r in static["class_rows"]]
     est_prior: list[float | None] = [None] * len(names)
     prior: dict[str, Any] = {"aware": model.monitor is not None}
     if model.monitor is not None:
@@ -310,13 +361,14 @@ def _live_view(model, static: dict[str, Any]) -> dict[str, Any]:
             est_prior = [_num(v) for v in est["prior"]]
             prior.update(shift=_num(est.get("shift_from_source")), images=est.get("images"),
                          usable=q is not None)
-    series = [("training mix (source prior)", COLOURS["train"], source)]
+    series = [("training mix", COLOURS["train"], train)]
     if total:
         series.append(("predicted since start", COLOURS["served"], served))
     if any(v is not None for v in est_prior):
-        series.append(("estimated prior", COLOURS["estimate"], est_prior))
+        series.append(("estimated case mix", COLOURS["estimate"], est_prior))
     rows = [{**r, "served": pct(served[i]), "served_count": int(counts.get(r["name"], 0)),
-             "estimate": pct(est_prior[i]), "source_pct": pct(r["source"])} for i, r in enumerate(static["class_rows"])]
+             "estimate": pct(est_prior[i]), "train_pct": pct(r["train_share"]), "assumed_pct": pct(r["assumed"])}
+            for i, r in enumerate(static["class_rows"])]
     return {"predicted_total": int(total), "rows": rows, "prior": prior,
             "shift": pct(prior.get("shift")) if prior.get("shift") is not None else None,
             "mix_svg": mix_chart(names, series, f"{static['uid']}-mix", f"{pkg.name} {pkg.version}")}
@@ -336,7 +388,7 @@ def panel_html() -> str:
                        "loaded_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.loaded_at))})
     s = api.state.settings
     return _env.get_template("panel.html").render(models=models, max_mb=f"{s.max_upload_bytes / 2**20:g}",
-                                                  max_frames=s.max_frames, pct=pct)
+                                                  max_frames=s.max_frames, pct=pct, legend=HEATMAP_LEGEND)
 
 
 # ------------------------------------------------------------------ routes
