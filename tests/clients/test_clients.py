@@ -341,6 +341,7 @@ def test_scoring_survives_a_server_restart(gtafl_pkg, tmp_path):
 
 
 def test_retrain_export_reload_loop(gtafl_pkg, tmp_path):
+    pytest.importorskip("torch", reason="retrain and export need torch: the train extra (pip install -e '.[train]')")
     cfg = tmp_path / "more.yaml"
     cfg.write_text("rounds: 1\nseed: 11\n")
     run = tmp_path / "retrain"
