@@ -66,8 +66,9 @@ def test_open_page_shows_each_model_its_validation_and_live_mix(server, gtafl_pk
         assert pkg.files["model.onnx"] in html  # the checksum SHA256SUMS gave and load_package verified
         forward50 = f"{100 * pkg.metadata['metrics']['accuracy']['forward50']:.1f}%"
         assert f"forward50 {forward50}" in html  # the chart's text alternative carries the numbers
-    assert html.count('role="img"') == 4  # accuracy and class-mix chart per model, each with a title and desc
-    assert len(re.findall(r'<svg [^>]*aria-labelledby="[^"]+-t [^"]+-d"', html)) == 4
+    # accuracy and class-mix chart per model and the heatmap's colour legend, each with a title and desc
+    assert html.count('role="img"') == 5
+    assert len(re.findall(r'<svg [^>]*aria-labelledby="[^"]+-t [^"]+-d"', html)) == 5
     assert "unsigned; signatures are not required here" in html
     assert "first version (no parent package)" in html and "<h1>derm-gtafl 1.0.0</h1>" in html  # the card
     assert "/tmp" not in html and str(gtafl_pkg) not in html  # no host path of the package folder
@@ -84,6 +85,76 @@ def test_open_page_shows_each_model_its_validation_and_live_mix(server, gtafl_pk
         r'^tafl_predicted_class_total\{[^}]*model="derm-gtafl"[^}]*version="1\.0\.0"[^}]*\} (\S+)$', metrics, re.M))
     assert counted == before + 3
     assert get(server, "/ui/panel").status_code == 200  # open service: the fragment needs no token
+
+
+def _section(html: str, name: str) -> str:
+    """One model's section of the page, from its heading to the next model's."""
+    return html.split(f'<span class="model-name">{name}</span>', 1)[1].split('<section class="model"', 1)[0]
+
+
+def test_training_mix_is_the_training_images_shares_as_tafl_score_gives_them(server, gtafl_pkg, dafl_pkg, tmp_path):
+    """The training mix column is each class's share of the training images the table counts (it once showed
+    the source prior, 10 % a class for a GTAFL ensemble), the training share `tafl score` prints."""
+    from tafl.clients.score import score_folder
+
+    html = get(server, "/").text
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(digit_png(1))
+    for path in (gtafl_pkg, dafl_pkg):
+        pkg = load_package(path)
+        section = _section(html, pkg.name)
+        counts = [int(v) for v in re.findall(r'<td class="train-images">(\d+)</td>', section)]
+        shares = [float(v) / 100 for v in re.findall(r'<td class="train-share">([\d.]+)%</td>', section)]
+        assert counts == pkg.metadata["training"]["train_class_counts"] and len(counts) == len(pkg.class_names)
+        assert shares == pytest.approx([c / sum(counts) for c in counts], abs=5e-4)
+        summary = score_folder(tmp_path / "imgs", tmp_path / f"{pkg.name}.csv", package=str(path), progress=False)
+        assert shares == pytest.approx([m["training_share"] for m in summary["class_mix"]], abs=5e-4)
+        # the chart's training series carries the same shares (its bars' titles)
+        for c, n in zip(pkg.class_names, counts):
+            assert f"{c}, training mix: {100 * n / sum(counts):.1f}%" in section
+    gtafl = load_package(gtafl_pkg).metadata
+    assert len(set(gtafl["prior"]["source_prior"])) == 1  # an ensemble's source prior is uniform: not the mix
+    assert 'class="assumed"' in _section(html, "derm-gtafl")  # ... and is shown apart, as what it is
+
+
+def test_plain_summary_opens_each_model_and_the_card(server, gtafl_pkg, dafl_pkg):
+    """Each model's section starts with the summary for a clinician, in plain words and from the metadata;
+    the package's model card starts with the same summary (one implementation)."""
+    from html import unescape
+
+    from tafl.packaging.summary import MISSED, WELL, summary_markdown
+
+    html = get(server, "/").text
+    for path in (gtafl_pkg, dafl_pkg):
+        pkg = load_package(path)
+        meta, section = pkg.metadata, _section(html, pkg.name)
+        start = section.index("</h2>") + len("</h2>")
+        assert section[start:].lstrip().startswith('<div class="summary"')  # nothing between heading and summary
+        summary = section[start:section.index("<h3>Details</h3>")]
+        text = unescape(re.sub(r"<[^>]+>", " ", summary))
+        text = re.sub(r"\s+", " ", text)
+        acc = meta["metrics"]["accuracy"]
+        assert f"{100 * acc['forward50']:.0f}% labelled correctly when the case mix is like training" in text
+        assert f"{100 * acc['backward50']:.0f}% labelled correctly when rare findings become common" in text
+        assert f"one of {len(pkg.class_names)} classes: " + ", ".join(pkg.class_names) in text
+        groups = dict(re.findall(r'<span class="summary-heading">([^<]+):</span>(.*?)</p>', summary, re.S))
+        for c, a in zip(pkg.class_names, meta["metrics"]["per_class_accuracy"]):
+            if a is None:
+                continue
+            want = "Recognises well" if a >= WELL else "Often misses" if a < MISSED else "Sometimes misses"
+            [where] = [h for h, items in groups.items() if f'"summary-class">{c} ({100 * a:.0f}%)<' in items]
+            assert where.startswith(want), (c, a, where)
+        assert "A diagnosis on its own" in text and f"Findings outside its {len(pkg.class_names)} classes" in text
+        n_train, pre = meta["data_provenance"]["n_train"], meta["input"]["preprocess"]
+        kind = {1: "greyscale", 3: "colour"}[pre["channels"]]
+        dataset = meta["training"]["run_config"]["dataset"]
+        assert (f"from {n_train} {kind} images of the {dataset} collection, shrunk to {pre['size']}×{pre['size']} "
+                "pixels") in text
+        for word in ("forward", "backward", "Dirichlet", "total variation", "TV", "prior", "ensemble"):
+            assert word not in text, word
+        card = pkg.card
+        assert card.startswith(f"# {pkg.name} {pkg.version}\n\n" + "\n".join(summary_markdown(meta)) + "\n")
+    assert "<h2>In short</h2>" in html  # the card, rendered below, opens with it too
 
 
 def test_page_assets_and_unknown_paths(server):
@@ -171,9 +242,16 @@ def test_case_mix_estimate_and_its_drift_are_those_of_models(hostile_server):
         time.sleep(0.2)
     assert est and est["images"] >= 100
     html = get(hostile_server, "/").text
-    shown = re.search(r'drift distance from the training mix\s+\(total variation\) <strong class="drift">([\d.]+)%',
-                      html)
+    # the distance is measured from the mix the probabilities assume (the source prior; uniform for this GTAFL
+    # copy), not from the training mix: the page names it and shows it in its own column
+    shown = re.search(r"drift distance from the mix the\s+model's probabilities assume \(its source prior, in the "
+                      r'table\)\s+\(total variation[^)]*\) <strong class="drift">([\d.]+)%', html)
     assert shown and shown.group(1) == f"{100 * est['shift_from_source']:.1f}"
+    source = load_package(hostile_server.packages[0]).metadata["prior"]["source_prior"]
+    assumed = [float(v) / 100 for v in re.findall(r'<td class="assumed">([\d.]+)%</td>', html)]
+    assert assumed == pytest.approx(source, abs=5e-4)
+    tv = 0.5 * sum(abs(a - b) for a, b in zip(est["prior"], source))
+    assert float(shown.group(1)) == pytest.approx(100 * tv, abs=0.051)
     assert f"last {est['images']} served image(s)" in html
     assert "128 image(s) predicted by this version" in html
     for p in est["prior"]:  # each class's estimated share is in the per-class table
@@ -291,6 +369,93 @@ def test_browser_page_and_png_upload(page, server, gtafl_pkg, tmp_path):
     _check_result(got, want)
     assert [e[0] for e in got["experts"]] == ["forward", "uniform", "backward"]
     assert got["input"].startswith("png, 64×64")
+    # the heatmap's colour legend is shown with it, drawn from the colour map the overlay uses
+    import numpy as np
+
+    from tafl.imaging.heatmap import _jet
+
+    legend = page.find_element(By.ID, "heatmap-legend")
+    assert legend.is_displayed() and legend.size["width"] > 100
+    assert "low attention" in legend.text and "high attention" in legend.text
+    stops = page.execute_script("return [...document.querySelectorAll('#heatmap-legend stop')].map("
+                                "s => [parseFloat(s.getAttribute('offset')), s.getAttribute('stop-color')])")
+    assert [o for o, _ in stops] == pytest.approx(np.linspace(0, 1, len(stops)), abs=0.006) and len(stops) >= 5
+    want_colours = ["#%02x%02x%02x" % tuple(c) for c in _jet(np.array([[o for o, _ in stops]]))[0].tolist()]
+    assert [c for _, c in stops] == want_colours
+    assert want_colours[0] == "#00007f" and want_colours[-1] == "#7f0000"  # dark blue: low; dark red: high
+
+
+_BOXES = """
+    const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+    return [...document.querySelectorAll(arguments[0])].map(svg => ({
+        mean: [...svg.querySelectorAll('text.mean-label')].map(box),
+        bars: [...svg.querySelectorAll('rect')].map(box),
+        values: [...svg.querySelectorAll('rect + text')].map(box)}));"""
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _check_mean_label(charts: list[dict]) -> None:
+    assert charts
+    for c in charts:
+        [mean] = c["mean"]
+        assert len(c["bars"]) == 11 and len(c["values"]) == 11
+        for b in c["bars"] + c["values"]:
+            assert not _overlap(mean, b), (mean, b)
+        assert mean[0] >= max(b[2] for b in c["bars"])  # in its own margin, right of every bar
+
+
+def test_browser_layout_at_1280(page, server, gtafl_pkg):
+    """At a 1280 px window: the summary opens each model's section, nothing is wider than the window, the model
+    card's tables fit their box, and the accuracy chart's mean label clears the bars, on the page and for bars
+    as tall as the mean itself (where the label once sat on them)."""
+    from selenium.webdriver.common.by import By
+
+    from tafl.serving.ui import accuracy_chart
+
+    page.set_window_size(1280, 1800)
+    page.get(f"{server.url}/")
+    _wait(page, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-panel") == "loaded")
+    page.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")  # every table laid out
+    assert page.execute_script("return window.innerWidth") == 1280
+    assert page.execute_script("return document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+    sections = page.find_elements(By.CSS_SELECTOR, "section.model")
+    assert len(sections) == 2
+    for sec in sections:
+        first = page.execute_script("return [...arguments[0].children].slice(0, 2).map(e => e.tagName + '.' + "
+                                    "e.className)", sec)
+        assert first == ["H2.", "DIV.summary"]
+        summary = sec.find_element(By.CSS_SELECTOR, ".summary")
+        assert summary.is_displayed() and "How often it is right" in summary.text
+        assert summary.location["y"] < sec.find_element(By.CSS_SELECTOR, "dl.facts").location["y"]
+    tables = page.execute_script("""return [...document.querySelectorAll('.card-body table')].map(t => {
+        const r = t.getBoundingClientRect(), c = t.closest('.card-body').getBoundingClientRect();
+        return {right: r.right, left: r.left, box_right: c.right, box_left: c.left, scroll: t.scrollWidth,
+                client: t.clientWidth, head: t.rows[0].textContent};})""")
+    assert len(tables) >= 4
+    for t in tables:
+        assert t["box_left"] <= t["left"] and t["right"] <= t["box_right"] + 0.5, t
+    metrics = next(t for t in tables if "forward50" in t["head"] and "backward50" in t["head"])
+    assert metrics["scroll"] <= metrics["client"]  # the eleven columns fit unscrolled at this width
+    for wrap in page.execute_script("return [...document.querySelectorAll('.table-wrap')].map(w => "
+                                    "[w.getBoundingClientRect().right, w.parentElement.getBoundingClientRect().right])"):
+        assert wrap[0] <= wrap[1] + 0.5
+    # the page's own eleven-column accuracy table fits too, unscrolled
+    for fits in page.execute_script("return [...document.querySelectorAll('table.accuracy')].map(t => "
+                                    "t.closest('.table-wrap').scrollWidth <= t.closest('.table-wrap').clientWidth)"):
+        assert fits
+    _check_mean_label(page.execute_script(_BOXES, "svg.chart[aria-label^='Accuracy of']"))
+
+    # bars as tall as their mean, the case that put the old label on the last bars, drawn in the same page
+    tall = {k: 0.9 for k in ("forward50", "forward25", "forward10", "forward5", "forward2", "uniform", "backward2",
+                             "backward5", "backward10", "backward25", "backward50")}
+    svg = str(accuracy_chart(tall, 0.9, "t-acc", "a test model"))
+    page.execute_script("const d = document.createElement('div'); d.id = 'tall-chart'; d.innerHTML = arguments[0];"
+                        "document.getElementById('main').prepend(d);", svg)
+    _check_mean_label(page.execute_script(_BOXES, "#tall-chart svg"))
+    page.execute_script("document.getElementById('tall-chart').remove(); window.scrollTo(0, 0)")
 
 
 def test_browser_dicom_upload_renders_no_patient_tags(page, server, tmp_path):
