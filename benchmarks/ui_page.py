@@ -79,8 +79,10 @@ def render_times(url: str, n: int, png: bytes, models: list[str]) -> dict:
                 wall.append(1000 * (time.perf_counter() - t0))
                 server.append(server_ms(r))
                 r.raise_for_status()
+            # the SVGs are the two charts per model and the heatmap's legend; a plain summary opens each model
             out[path] = {"wall": summary(wall), "server": summary(server), "bytes": len(r.content),
-                         "svg_charts": r.text.count("<svg"), "estimate_shown": "drift distance" in r.text}
+                         "svg_charts": r.text.count("<svg"), "plain_summaries": r.text.count('<div class="summary"'),
+                         "estimate_shown": "drift distance" in r.text}
     return out
 
 
@@ -181,11 +183,12 @@ def main() -> int:
              "`python benchmarks/ui_page.py PKG_A PKG_B` on this machine (2 cores shared with the client). "
              f"Render: {ns.renders} sequential requests each after 150 predictions (live mix and case-mix estimate "
              "drawn); wall = the client's time for the whole response, server = the service's Server-Timing.", "",
-             "| request | wall p50 ms | wall p95 ms | wall max ms | server p50 ms | server max ms | bytes | SVG charts |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| request | wall p50 ms | wall p95 ms | wall max ms | server p50 ms | server max ms | bytes | SVGs | "
+             "plain summaries |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in (("GET /", page), ("GET /ui/panel", panel)):
         lines.append(f"| {name} | {r['wall']['p50_ms']:.1f} | {r['wall']['p95_ms']:.1f} | {r['wall']['max_ms']:.1f} | "
-                     f"{r['server']['p50_ms']:.1f} | {r['server']['max_ms']:.1f} | {r['bytes']} | {r['svg_charts']} |")
+                     f"{r['server']['p50_ms']:.1f} | {r['server']['max_ms']:.1f} | {r['bytes']} | {r['svg_charts']} | "
+                     f"{r['plain_summaries']} |")
     fr = render["first_render"]
     lines += ["", f"First render after start (templates compiled, cards rendered and cached): {fr['wall_ms']:.1f} ms "
                   f"wall, {fr['server_ms']:.1f} ms in the service. Case-mix estimate drawn: {page['estimate_shown']}. "
