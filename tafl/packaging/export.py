@@ -13,10 +13,13 @@ Runtime on real images at batch sizes 1 and 16; a mismatch fails the export.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -245,7 +248,8 @@ def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, .
         onnx.checker.check_model(str(onnx_path), full_check=True)
     except onnx.checker.ValidationError as exc:
         raise PackageError(f"the exported graph fails onnx.checker: {exc}") from exc
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    with _without_default_input_notice("log_prior_ratio"):
+        sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     C = len(prior_ratio) if prior_ratio is not None else None
     worst = {"probs": 0.0, "heatmap": 0.0}
     cases: list[tuple[int, np.ndarray | None]] = [(1, None), (16, None)]
@@ -280,6 +284,35 @@ def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, .
             "max_abs_prob_diff": worst["probs"], "max_abs_heatmap_diff": worst["heatmap"],
             "prob_tolerance": PROB_TOL, "heatmap_tolerance": HEAT_TOL, "onnx": onnx.__version__,
             "onnxruntime": ort.__version__, "opset": OPSET, "checker": "onnx.checker.check_model(full_check=True)"}
+
+
+@contextlib.contextmanager
+def _without_default_input_notice(name: str):
+    """ONNX Runtime warns, on stderr, when it loads a graph whose input `name` has an initializer of the same
+    name ("Initializer log_prior_ratio appears in graph inputs and will not be treated as constant ..."). That
+    initializer is the input's default, the mechanism of the optional prior (docs/decisions.md), so every export
+    printed a warning about nothing. This drops exactly that line of what ORT prints while the block runs;
+    any other warning it gives passes through to stderr."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr descriptor to redirect: leave ORT's output alone
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            notice = f"Initializer {name} appears in graph inputs"
+            kept = [line for line in tmp.read().decode("utf-8", "replace").splitlines(keepends=True)
+                    if notice not in line]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def _default_prior_input(onnx_path: Path, num_classes: int) -> None:
