@@ -375,12 +375,13 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         results.close()
         scorer.close()
     names = scorer.meta["class_names"]
-    train = scorer.meta.get("training", {}).get("train_class_counts") or [0] * len(names)
-    total_train = sum(train) or 1
+    from tafl.packaging.summary import training_shares  # the page's and the model card's rule too
+
+    train = training_shares(scorer.meta)
     scored = sum(counts.values())
     mix = [{"class_name": n, "predicted": counts.get(n, 0),
             "predicted_share": counts.get(n, 0) / scored if scored else 0.0,
-            "training_share": t / total_train} for n, t in zip(names, train)]
+            "training_share": train[c] if train else None} for c, n in enumerate(names)]
     summary = {"images": len(images), "scored_now": len(todo), "already_done": len(images) - len(todo),
                "predicted": predicted_now, "predicted_in_file": scored, "failed": failed, "skipped": [rel(p) for p in skipped], "class_mix": mix,
                "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
@@ -492,7 +493,7 @@ def _print_class_mix(s: dict[str, Any]) -> None:
     print(f"{'class':40} {'predicted':>9} {'share':>7} {'training share':>15}")
     for m in s["class_mix"]:
         print(f"{m['class_name'][:40]:40} {m['predicted']:9d} {100 * m['predicted_share']:6.1f}% "
-              f"{100 * m['training_share']:14.1f}%")
+              + (f"{100 * m['training_share']:14.1f}%" if m["training_share"] is not None else f"{'unknown':>15}"))
 
 
 def _print_problems(s: dict[str, Any]) -> None:
