@@ -40,6 +40,25 @@ def assert_clean_error(res: subprocess.CompletedProcess, pattern: str) -> None:
 def test_train_bad_input_is_one_clear_line(tmp_path, flags, pattern):
     res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(tmp_path / "o"), *flags)
     assert_clean_error(res, pattern)
+    assert not (tmp_path / "o").exists()  # a run that failed before its first round leaves no folder behind
+
+
+def test_a_failed_start_does_not_block_the_retry(tmp_path):
+    """The retry with the same --out after a missing .npz is not refused as "already holds files"; a folder that
+    held other things keeps them and loses only the failed run's files."""
+    out = tmp_path / "o"
+    assert_clean_error(run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(out), "--dataset",
+                           "dermamnist", "--data-root", str(tmp_path)), "dermamnist.npz not found")
+    res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(out), "--rounds", "1", "--no-progress")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "final.pt").is_file()
+    # --force over that finished run, failing at the data: the earlier run is gone (as --force said), no run.json
+    # of the failed one is left to block the next try
+    assert_clean_error(run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(out), "--force",
+                           "--dataset", "cifar99"), "unknown dataset")
+    assert not (out / "run.json").exists() and not (out / "final.pt").exists()
+    res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--out", str(out), "--rounds", "1", "--no-progress")
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_unknown_config_key(tmp_path):
@@ -115,17 +134,52 @@ def test_kill_then_resume_and_eval(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_trains_exports_serves_and_answers(tmp_path):
-    """The README's main command: GTAFL on digits, the verified package, the service, one real call."""
-    res = subprocess.run([*TAFL, "demo", "--out", str(tmp_path / "demo"), "--no-progress", "--serve-seconds", "0"],
-                         capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    out = res.stdout
-    assert "gtafl on digits: mean prior-weighted accuracy" in out
-    assert "tafl-demo 1.0.0: 3 experts, hard vote" in out
-    assert "digit_3.png -> class" in out and "curl -s -F file=@" in out
+def test_demo_without_a_terminal_keeps_serving_and_its_printed_lines_answer(tmp_path):
+    """The README's main command run from a script (no terminal): GTAFL on digits, the verified package, the
+    service; it keeps serving, every curl line it prints answers 200 and the page it names opens; SIGTERM stops
+    it and the whole server with it."""
+    import re
+
+    import httpx
+    import psutil
+
+    port = __import__("tafl.procs", fromlist=["free_port"]).free_port()
+    proc = subprocess.Popen([*TAFL, "demo", "--out", str(tmp_path / "demo"), "--no-progress", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            cwd=tmp_path)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("Serving until Ctrl-C"):
+                break
+        out = "".join(lines)
+        assert "Serving until Ctrl-C" in out, out[-3000:] + proc.stderr.read()[-3000:] if proc.poll() else out
+        assert "gtafl on digits: mean prior-weighted accuracy" in out
+        assert "tafl-demo 1.0.0: 3 experts, hard vote" in out and "digit_3.png -> class" in out
+        page = re.search(r"open (http://127\.0\.0\.1:\d+/) in a browser", out)
+        assert page and httpx.get(page.group(1), timeout=30).status_code == 200
+        curls = [ln.strip() for ln in lines if ln.strip().startswith("curl ")]
+        assert len(curls) == 3, out
+        for cmd in curls:  # as a user pastes them, in the folder the demo ran in; -w appends the status
+            cmd = cmd.replace("curl -s", "curl -s -w '\\nHTTP %{http_code}\\n'", 1).split(" | head")[0]
+            res = subprocess.run(cmd, shell=True, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+            assert res.stdout.rstrip().endswith("HTTP 200"), (cmd, res.stdout[-500:], res.stderr)
+        time.sleep(2)
+        assert proc.poll() is None  # still serving: it waits for Ctrl-C or SIGTERM, terminal or not
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, alive  # no orphaned server keeps the port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert (tmp_path / "demo" / "package" / "model.onnx").is_file()
-    assert (tmp_path / "demo" / "run" / "report.json").is_file()
 
 
 def test_explain_a_gtafl_resnet8_checkpoint_writes_a_png_heatmap(gtafl_run, tmp_path, capsys):

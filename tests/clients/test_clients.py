@@ -267,10 +267,18 @@ def test_score_refuses_existing_output_and_empty_folders(tmp_path, gtafl_pkg):
     folder.mkdir()
     (folder / "a.png").write_bytes(digit_png(1))
     out = tmp_path / "r.csv"
-    score_folder(folder, out, package=str(gtafl_pkg), progress=False)
+    first = score_folder(folder, out, package=str(gtafl_pkg), progress=False)
     r = subprocess.run([*TAFL, "score", str(folder), "--out", str(out), "--package", str(gtafl_pkg)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--resume" in r.stderr and "--force" in r.stderr
+    # --resume with nothing new: the class mix is the file's (its one prediction), not a table of zero shares
+    r = subprocess.run([*TAFL, "score", str(folder), "--out", str(out), "--package", str(gtafl_pkg), "--resume"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "0 scored now, 1 already in" in r.stdout, r.stdout + r.stderr
+    label = next(m["class_name"] for m in first["class_mix"] if m["predicted"] == 1)
+    assert "class mix over all 1 predictions in the file" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.split()[:2] == [label, "1"])
+    assert "100.0%" in row
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "x.txt").write_text("x")
@@ -440,12 +448,12 @@ def test_the_readme_client_example_runs_as_written(server, tmp_path, monkeypatch
     import re
     from pathlib import Path
 
-    import pydicom.data
-
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
     assert "from tafl.clients import Client, ServiceCallError" in block
-    (tmp_path / "scan.dcm").write_bytes(Path(pydicom.data.get_testdata_file("CT_small.dcm")).read_bytes())
+    image = tmp_path / "my-images" / "images" / "img3.png"  # the file the README's folder recipe makes
+    image.parent.mkdir(parents=True)
+    image.write_bytes(digit_png(3))
     monkeypatch.chdir(tmp_path)
     exec(compile(block.replace("http://127.0.0.1:3000", server.url), "README.md", "exec"), {})
     out = capsys.readouterr().out.split()
