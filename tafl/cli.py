@@ -23,7 +23,7 @@ from tafl.errors import ConfigError, DataError, ServiceCallError, TaflError
 log = logging.getLogger("tafl.cli")
 
 DEMO_CONFIG: dict[str, Any] = {
-    # the embedded default: scikit-learn digits, a long tail of IF 10, 10 clients; about 15 s on 2 cores
+    # the embedded default: scikit-learn digits, a long tail of IF 10, 10 clients; about 3 minutes on 2 cores
     "method": "gtafl", "dataset": "digits", "img_size": 16, "imbalance_factor": 10.0, "clients": 10,
     "frac": 0.5, "alpha": 0.5, "rounds": 30, "local_epochs": 5, "batch_size": 16, "lr": 0.05, "momentum": 0.9,
     "backbone": "resnet8", "width": 0.25, "seed": 7, "threads": 2,
@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tafl", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train federated medical-image classifiers that stay accurate when the case mix shifts, "
                     "package them as\nverified ONNX models, serve them over REST and DICOM, and score folders.",
-        epilog="start with `tafl demo` (about a minute on the embedded data); `tafl VERB --help` explains a verb")
+        epilog="start with `tafl demo` (about three minutes on the embedded data); `tafl VERB --help` explains a verb")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="debug logging, library INFO lines, and the traceback behind an error")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
