@@ -17,7 +17,7 @@ from pathlib import Path
 import tafl
 
 ROOT = Path(tafl.__file__).resolve().parent
-LEAVES = {"errors", "files", "procs", "prior", "imaging", "__init__", "__main__"}
+LEAVES = {"errors", "files", "procs", "prior", "settings", "imaging", "__init__", "__main__"}
 ALLOWED = {
     "leaf": {"leaf"},
     "training": {"leaf", "training"},
