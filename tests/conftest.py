@@ -148,8 +148,8 @@ def server(gtafl_pkg, dafl_pkg, bentoml_home, audit_file, tmp_path_factory):
 def auth_server(gtafl_pkg, tmp_path_factory):
     from tafl.serving.launch import ServerProcess
 
-    # its own BENTOML_HOME: BentoML keeps (and clears at start) its Prometheus files in
-    # $BENTOML_HOME/prometheus_multiproc_dir, so two services must not share one
+    # its own BENTOML_HOME keeps its model store and logs apart; its Prometheus files are its own anyway
+    # (ServerProcess gives each server a TAFL_PROMETHEUS_DIR, tafl.serving.launch)
     log = tmp_path_factory.mktemp("svc_auth") / "service.log"
     home = tmp_path_factory.mktemp("bentoml_home_auth")
     with ServerProcess([str(gtafl_pkg)], token=TOKEN, env={"BENTOML_HOME": str(home)}, log_path=log) as srv:
