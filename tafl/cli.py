@@ -53,11 +53,11 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     """One flag per RunConfig field; every default is None so only given flags override the file.
 
     The help of each is the field's comment in tafl/training/config.py (`field_docs`), the one place it is
-    documented, with its default; fixed sets of values are argparse `choices` from `config.CHOICES`."""
-    from tafl.training.config import CHOICES, RunConfig, field_docs
+    documented, with its default; fixed sets of values are argparse `choices` from `config.choices()`."""
+    from tafl.training.config import RunConfig, choices, field_docs
 
     hints = typing.get_type_hints(RunConfig)
-    docs, defaults = field_docs(), RunConfig()
+    docs, defaults, allowed = field_docs(), RunConfig(), choices()
     group = p.add_argument_group("run configuration (each overrides the --config file; YAML keys use _ for -)")
     for f in dataclasses.fields(RunConfig):
         hint = hints[f.name]
@@ -68,8 +68,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         help_text = f"{doc} (default: {_shown(getattr(defaults, f.name))})".replace("%", "%%")
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif f.name in CHOICES:
-            group.add_argument(flag, dest=f.name, choices=CHOICES[f.name], default=None, help=help_text)
+        elif f.name in allowed:
+            group.add_argument(flag, dest=f.name, choices=allowed[f.name], default=None, help=help_text)
         else:
             parse = _none_or(base) if type(None) in args else base
             group.add_argument(flag, dest=f.name, type=parse, default=None, metavar=base.__name__.upper(),

@@ -62,7 +62,7 @@ def test_every_flag_of_every_verb_has_help_and_its_default(verb):
 
 
 def test_train_flags_take_their_help_from_the_config_fields_comments():
-    from tafl.training.config import CHOICES, RunConfig, field_docs
+    from tafl.training.config import RunConfig, choices, field_docs
 
     docs = field_docs()
     fields = {f.name for f in __import__("dataclasses").fields(RunConfig)}
@@ -74,7 +74,7 @@ def test_train_flags_take_their_help_from_the_config_fields_comments():
     by_dest = {a.dest: a for a in train._actions}
     for name in fields:
         assert docs[name].replace("%", "%%") in by_dest[name].help
-    for name, allowed in CHOICES.items():
+    for name, allowed in choices().items():
         assert tuple(by_dest[name].choices) == tuple(allowed), name
     from tafl.training.methods import method_names
 

@@ -27,9 +27,9 @@ from tafl.training.methods import method_names  # the one registry; importing it
 PARTITIONS = ("equal", "dirichlet")
 
 # The one list of allowed values for every string option with a fixed set: `validate` checks them and the
-# command line offers them as `choices`, so `tafl train --help` and a bad config name the same values.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "method": method_names(),
+# command line offers them as `choices`, so `tafl train --help` and a bad config name the same values. The
+# methods are read from their registry at each call (`choices()`), so a registered method is a valid value.
+FIXED_CHOICES: dict[str, tuple[str, ...]] = {
     "folder_frames": ("each", "refuse"),
     "partition": PARTITIONS,
     "optimizer": ("sgd", "adam"),
@@ -55,6 +55,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+def choices() -> dict[str, tuple[str, ...]]:
+    """Every string option's allowed values: the methods of the registry and FIXED_CHOICES."""
+    return {"method": method_names(), **FIXED_CHOICES}
+
+
 @dataclass
 class RunConfig:
     # --- what to train ---
@@ -70,6 +75,13 @@ class RunConfig:
     # folder: a multi-frame DICOM gives one sample per frame (each; the frames of one file stay in one split) or is
     # refused with a message naming it (refuse)
     folder_frames: str = "each"
+    # folder: one federated client per value of this CSV column (real sites, e.g. center_name); no Dirichlet split
+    # and no synthetic long tail (each site keeps its own), so clients, alpha, partition and imbalance_factor do not
+    # apply
+    client_column: str | None = None
+    # folder: the split of each row from this CSV column (train, test, and val if present); without val rows,
+    # val_fraction of each site's training rows (by group_column) is held out for validation, never test rows
+    split_column: str | None = None
     download: bool = False  # MedMNIST: download the npz when it is missing (needs a network)
     val_fraction: float = 0.15  # digits/folder: share of the data held out for validation
     test_fraction: float = 0.2  # digits/folder: share of the data held out for testing
@@ -249,7 +261,7 @@ class RunConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"config '{key}' = {getattr(self, key)!r}: {why}")
 
-        for key, allowed in CHOICES.items():
+        for key, allowed in choices().items():
             if getattr(self, key) not in allowed:
                 raise bad(key, ("unknown method; " if key == "method" else "") + f"choose one of {', '.join(allowed)}")
         if self.imbalance_factor is not None and not self.imbalance_factor >= 1:
@@ -329,6 +341,12 @@ class RunConfig:
             raise bad("prior_smoothing", str(exc)) from None
         if self.dataset == "folder" and (not self.data_root or not self.labels):
             raise ConfigError("dataset 'folder' needs --data-root DIR and --labels FILE.csv")
+        for key in ("client_column", "split_column"):
+            if getattr(self, key) and self.dataset != "folder":
+                raise bad(key, "reads a column of the labels CSV: only for dataset 'folder'")
+        if self.client_column and self.imbalance_factor is not None:
+            raise bad("imbalance_factor", "with client_column every site keeps its own long tail; set it to null "
+                                          "(--imbalance-factor none)")
         return self
 
 
@@ -393,6 +411,7 @@ def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """The defaults, then the YAML file, then the overrides (flags); validated."""
     cfg = RunConfig()
+    data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -402,7 +421,23 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
         cfg.update(data, str(p))
+    in_file = {str(k).replace("-", "_") for k in data} if isinstance(data, dict) else set()
+    given: set[str] = set()
     if overrides:
         cfg.update({k: v for k, v in overrides.items() if v is not None}, "command line")
+        given = {str(k).replace("-", "_") for k, v in overrides.items() if v is not None}
+    if cfg.client_column:
+        # a flag that contradicts it is an error, and so is a file that sets both; a base file's simulated-client
+        # keys (configs/smoke.yaml) are simply replaced
+        clash = sorted((given | (in_file if "client_column" in in_file else set())) & set(SITE_CLIENTS_REPLACE))
+        if clash:
+            raise ConfigError(f"client_column '{cfg.client_column}' makes one client per site, so "
+                              f"{', '.join(clash)} {'does' if len(clash) == 1 else 'do'} not apply; drop "
+                              f"{'it' if len(clash) == 1 else 'them'}")
+        cfg.imbalance_factor = None  # real sites keep their own long tail
     return cfg.validate()
+
+
+# what --client-column replaces: the simulated clients, their Dirichlet split and the synthetic long tail
+SITE_CLIENTS_REPLACE = ("clients", "alpha", "partition", "imbalance_factor")
 
