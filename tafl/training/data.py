@@ -40,12 +40,14 @@ class Split:
     images: np.ndarray  # uint8 (N, H, W, C)
     labels: np.ndarray  # int64 (N,)
     ids: np.ndarray  # (N,) sample identifiers in the source (index or file id), for provenance
+    sites: np.ndarray | None = None  # int64 (N,): index into Dataset.site_names (folder with --client-column)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def subset(self, idx: np.ndarray) -> Split:
-        return Split(self.images[idx], self.labels[idx], self.ids[idx])
+        return Split(self.images[idx], self.labels[idx], self.ids[idx],
+                     None if self.sites is None else self.sites[idx])
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Dataset:
     test: Split
     preprocess: Preprocess
     provenance: dict[str, Any] = field(default_factory=dict)
+    site_names: list[str] | None = None  # the real sites (hospitals), one federated client each (--client-column)
 
     @property
     def num_classes(self) -> int:
@@ -92,7 +95,8 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     mean = tuple(float(v) for v in x.mean(axis=(0, 1, 2)))
     std = tuple(max(float(v), 1e-3) for v in x.std(axis=(0, 1, 2)))
     pre = Preprocess(size=size, channels=channels, mean=mean, std=std)
-    return Dataset(cfg.dataset, class_names, splits["train"], splits["val"], splits["test"], pre, provenance)
+    return Dataset(cfg.dataset, class_names, splits["train"], splits["val"], splits["test"], pre, provenance,
+                   site_names=provenance.get("site_names"))
 
 
 def _fit_images(images: np.ndarray, pre: Preprocess) -> np.ndarray:
@@ -158,7 +162,7 @@ def _load_medmnist(flag: str, cfg: RunConfig):
 
 
 # ---------------------------------------------------------------- image folder + CSV
-def _load_folder(cfg: RunConfig):
+def _csv_path(cfg: RunConfig) -> tuple[Path, Path]:
     root = Path(cfg.data_root).expanduser()
     if not root.is_dir():
         raise DataError(f"--data-root {root} is not a folder")
@@ -167,6 +171,19 @@ def _load_folder(cfg: RunConfig):
         csv_path = root / csv_path if (root / csv_path).is_file() else csv_path
     if not csv_path.is_file():
         raise DataError(f"labels CSV not found: {cfg.labels} (looked in {root} and the working folder)")
+    return root, csv_path
+
+
+def folder_site_names(cfg: RunConfig) -> list[str]:
+    """The sites --client-column names (sorted), from the labels CSV alone: how many clients a run will have
+    before its images are read (Flower starts one SuperNode per site)."""
+    root, csv_path = _csv_path(cfg)
+    names, _ = _sites(csv_path, [r[3] for r in _read_csv(csv_path, cfg)], cfg)
+    return names or []
+
+
+def _load_folder(cfg: RunConfig):
+    root, csv_path = _csv_path(cfg)
     image_dir = Path(cfg.image_dir) if cfg.image_dir else (root / "images" if (root / "images").is_dir() else root)
     if not image_dir.is_absolute() and cfg.image_dir:
         image_dir = root / image_dir
@@ -174,6 +191,8 @@ def _load_folder(cfg: RunConfig):
     ids = np.array([r[0] for r in rows])
     label_names = [r[1] for r in rows]
     groups = np.array([r[2] for r in rows]) if cfg.group_column else None
+    site_names, sites = _sites(csv_path, [r[3] for r in rows], cfg)
+    folds = _folds(csv_path, [r[4] for r in rows], cfg)
     class_names = sorted(set(label_names))
     if len(class_names) < 2:
         raise DataError(f"{csv_path}: column '{cfg.label_column}' holds {len(class_names)} class(es); need at least 2")
@@ -200,10 +219,49 @@ def _load_folder(cfg: RunConfig):
             groups = ids.copy()
         ids = np.array([f"{ids[r]}#{k}" if per_file[r] > 1 else ids[r] for r, k in zip(rows, frame_no)])
         labels, groups = labels[rows], groups[rows]
-    splits = _split(images, labels, ids, groups, cfg)
+        sites = None if sites is None else sites[rows]
+        folds = None if folds is None else folds[rows]
+    if folds is not None:
+        splits = _split_by_column(images, labels, ids, groups, sites, folds, cfg)
+    else:
+        splits = _split(images, labels, ids, groups, cfg, sites)
     prov = {"source": "folder", "labels_csv": str(csv_path), "sha256": csv_sha, "image_dir": str(image_dir),
             "n_images": int(len(ids))}
+    if site_names is not None:
+        prov.update(client_column=cfg.client_column, site_names=site_names)
+    if folds is not None:
+        prov["split_column"] = cfg.split_column
     return splits, class_names, channels, prov
+
+
+def _sites(path: Path, values: list[str], cfg: RunConfig) -> tuple[list[str] | None, np.ndarray | None]:
+    """--client-column: the sorted site names and each row's site index. One site is no federation."""
+    if not cfg.client_column:
+        return None, None
+    names = sorted(set(values))
+    if len(names) < 2:
+        raise DataError(f"{path}: column '{cfg.client_column}' holds one value ({names[0]!r}), so --client-column "
+                        "would make a single client; federated training needs at least two sites")
+    index = {n: i for i, n in enumerate(names)}
+    return names, np.array([index[v] for v in values], np.int64)
+
+
+SPLIT_VALUES = {"train": "train", "test": "test", "val": "val", "valid": "val", "validation": "val"}
+
+
+def _folds(path: Path, values: list[str], cfg: RunConfig) -> np.ndarray | None:
+    """--split-column: each row's split (train, val or test), read from the column; other values are errors."""
+    if not cfg.split_column:
+        return None
+    folds = [SPLIT_VALUES.get(v.lower()) for v in values]
+    unknown = sorted({v for v, f in zip(values, folds) if f is None})
+    if unknown:
+        raise DataError(f"{path}: column '{cfg.split_column}' holds {', '.join(map(repr, unknown[:5]))}; each row must "
+                        f"be one of train, val or test")
+    if "test" not in folds or "train" not in folds:
+        missing = "test" if "test" not in folds else "train"
+        raise DataError(f"{path}: column '{cfg.split_column}' names no {missing} rows")
+    return np.array(folds)
 
 
 def read_folder_images(files: list[Path], side: int, channels: int, frames: str = "each"
@@ -219,12 +277,12 @@ def read_folder_images(files: list[Path], side: int, channels: int, frames: str 
     return (np.stack(images) if images else np.empty((0, side, side, channels), np.uint8)), np.asarray(rows, np.int64)
 
 
-def _read_csv(path: Path, cfg: RunConfig) -> list[tuple[str, str, str]]:
+def _read_csv(path: Path, cfg: RunConfig) -> list[tuple[str, str, str, str, str]]:
     try:
         with open(path, newline="", encoding="utf-8-sig") as fh:
             reader = csv.DictReader(fh)
             header = reader.fieldnames or []
-            for col in (cfg.image_column, cfg.label_column, cfg.group_column):
+            for col in (cfg.image_column, cfg.label_column, cfg.group_column, cfg.client_column, cfg.split_column):
                 if col and col not in header:
                     raise DataError(f"{path}: no column '{col}' (columns: {', '.join(header)})")
             rows = []
@@ -233,7 +291,11 @@ def _read_csv(path: Path, cfg: RunConfig) -> list[tuple[str, str, str]]:
                 if not img or not lab:
                     raise DataError(f"{path}:{line}: empty '{cfg.image_column}' or '{cfg.label_column}'")
                 grp = (r.get(cfg.group_column) or img).strip() if cfg.group_column else ""
-                rows.append((img, lab, grp))
+                site, fold = ((r.get(c) or "").strip() if c else "" for c in (cfg.client_column, cfg.split_column))
+                for col, val in ((cfg.client_column, site), (cfg.split_column, fold)):
+                    if col and not val:
+                        raise DataError(f"{path}:{line}: empty '{col}'")
+                rows.append((img, lab, grp, site, fold))
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not a UTF-8 text CSV ({exc})") from exc
     except csv.Error as exc:
@@ -294,7 +356,7 @@ def _cache_path(cfg: RunConfig, key: str) -> Path | None:
 
 # ---------------------------------------------------------------- splitting
 def _split(images: np.ndarray, labels: np.ndarray, ids: np.ndarray, groups: np.ndarray | None,
-           cfg: RunConfig) -> dict[str, Split]:
+           cfg: RunConfig, sites: np.ndarray | None = None) -> dict[str, Split]:
     """Stratified train/val/test split; with groups, no group appears in two splits."""
     idx = np.arange(len(labels))
     test_idx, rest = _holdout(idx, labels, groups, cfg.test_fraction, cfg.seed)
@@ -302,8 +364,42 @@ def _split(images: np.ndarray, labels: np.ndarray, ids: np.ndarray, groups: np.n
     val_rel, train_rel = _holdout(np.arange(len(rest)), labels[rest], None if groups is None else groups[rest],
                                   val_frac, cfg.seed + 1)
     val_idx, train_idx = rest[val_rel], rest[train_rel]
-    return {name: Split(images[i], labels[i], ids[i]) for name, i in
+    return _splits(images, labels, ids, sites, train_idx, val_idx, test_idx)
+
+
+def _splits(images, labels, ids, sites, train_idx, val_idx, test_idx) -> dict[str, Split]:
+    return {name: Split(images[i], labels[i], ids[i], None if sites is None else sites[i]) for name, i in
             (("train", np.sort(train_idx)), ("val", np.sort(val_idx)), ("test", np.sort(test_idx)))}
+
+
+def _split_by_column(images: np.ndarray, labels: np.ndarray, ids: np.ndarray, groups: np.ndarray | None,
+                     sites: np.ndarray | None, folds: np.ndarray, cfg: RunConfig) -> dict[str, Split]:
+    """The splits a column names (--split-column). Without val rows, validation is carved from the training rows,
+    each site's from its own (by group, so a lesion stays on one side) and val_fraction of them; never from test."""
+    idx = np.arange(len(labels))
+    test_idx, val_idx, train_idx = idx[folds == "test"], idx[folds == "val"], idx[folds == "train"]
+    if len(val_idx) == 0:
+        held, kept = [], []
+        for site in (np.unique(sites[train_idx]) if sites is not None else [None]):
+            part = train_idx if site is None else train_idx[sites[train_idx] == site]
+            h, k = _holdout_or_none(part, labels[part], None if groups is None else groups[part], cfg.val_fraction,
+                                    cfg.seed + 1)
+            held.append(h)
+            kept.append(k)
+        val_idx, train_idx = np.concatenate(held), np.concatenate(kept)
+    return _splits(images, labels, ids, sites, train_idx, val_idx, test_idx)
+
+
+def _holdout_or_none(idx: np.ndarray, labels: np.ndarray, groups: np.ndarray | None, frac: float, seed: int):
+    """`_holdout` of one site's rows; a site too small to hold any out (fewer than 2 rows, or too few groups)
+    keeps them all for training."""
+    try:
+        if len(idx) < 2:
+            raise DataError("too few rows")
+        local_held, local_kept = _holdout(np.arange(len(idx)), labels, groups, frac, seed)
+    except DataError:
+        return idx[:0], idx
+    return idx[local_held], idx[local_kept]
 
 
 def _holdout(idx: np.ndarray, labels: np.ndarray, groups: np.ndarray | None, frac: float, seed: int):

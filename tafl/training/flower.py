@@ -508,6 +508,10 @@ def run_flower_simulation(cfg: RunConfig, out: str | Path, *, resume: bool = Fal
     """`tafl train --engine flower`: Flower's simulation engine (Ray) on this machine."""
     from flwr.simulation import run_simulation
 
+    if cfg.client_column:  # one SuperNode per site of the labels CSV
+        from tafl.training.data import folder_site_names
+
+        cfg.clients = len(folder_site_names(cfg))
     run_simulation(server_app=make_server_app(cfg, out, resume=resume, force=force), client_app=make_client_app(),
                    num_supernodes=cfg.clients,
                    backend_config={"client_resources": {"num_cpus": num_cpus, "num_gpus": 0.0},

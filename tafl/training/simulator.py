@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import tafl
-from tafl.errors import CheckpointError, ConfigError, RunDirError
+from tafl.errors import CheckpointError, ConfigError, DataError, RunDirError
 from tafl.training.checkpoint import latest_round_checkpoint, load_checkpoint, save_checkpoint
 from tafl.training.config import RunConfig
 from tafl.training.data import Dataset, Split, index_hash, load_dataset
@@ -70,8 +70,12 @@ def prepare(cfg: RunConfig) -> Prepared:
     train = ds.train.subset(keep)
     counts = np.bincount(train.labels, minlength=ds.num_classes)
     ranks = class_ranks(train.labels, ds.num_classes)
-    parts = dirichlet_partition(train.labels, cfg.clients, cfg.alpha, cfg.seed, equal=cfg.partition == "equal",
-                                num_classes=ds.num_classes)
+    if ds.site_names is not None:
+        parts = site_parts(train, ds.site_names)
+        cfg.clients = len(parts)  # one client per site; the checkpoint's config records it
+    else:
+        parts = dirichlet_partition(train.labels, cfg.clients, cfg.alpha, cfg.seed, equal=cfg.partition == "equal",
+                                    num_classes=ds.num_classes)
     parts, holdouts = holdout_split(parts, cfg.calib_holdout, cfg.seed, train.labels, cfg.calib_holdout_mode)
     cc = client_class_counts(train.labels, parts, ds.num_classes)
     model_cfg = ModelConfig(backbone=cfg.backbone, num_classes=ds.num_classes, in_chans=ds.preprocess.channels,
@@ -79,6 +83,17 @@ def prepare(cfg: RunConfig) -> Prepared:
                             embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads,
                             tokenizer=cfg.tokenizer)
     return Prepared(ds, train, parts, holdouts, ranks, counts, cc, model_cfg, index_hash(cfg.dataset, train.ids, train.labels))
+
+
+def site_parts(train: Split, site_names: list[str]) -> list[np.ndarray]:
+    """Client k trains on the training rows of site k (--client-column): the real split, no Dirichlet draw. A site
+    may lack a class (vidir_molemax has no akiec); a site with no training rows at all is an error."""
+    parts = [np.flatnonzero(train.sites == k) for k in range(len(site_names))]
+    empty = [site_names[k] for k, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise DataError(f"site(s) {', '.join(empty)} have no training rows; a client needs data to train on "
+                        "(drop those rows, or mark some as train)")
+    return parts
 
 
 def make_method(cfg: RunConfig, model_cfg: ModelConfig, preprocess, device: torch.device | str = "cpu") -> Method:

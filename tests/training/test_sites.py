@@ -1,0 +1,177 @@
+"""Clients from a column (issue 33, part 1): `--client-column` makes one federated client per real site of a
+folder dataset, `--split-column` takes the train/val/test split from the CSV, and the bad inputs of such a CSV are
+clear errors. The sites here are made from the digits data: three "hospitals" with different case mixes, one of
+them without a class, as vidir_molemax has no akiec in Fed-ISIC2019."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.errors import ConfigError, DataError  # noqa: E402
+from tafl.training.config import RunConfig, load_config  # noqa: E402
+from tests.conftest import CONFIGS  # noqa: E402
+
+SITES = ("north", "south", "east")
+
+
+def make_sites(root: Path, *, with_val: bool = False, drop: dict | None = None) -> Path:
+    """digits as PNGs and labels.csv (image_id, dx, lesion_id, center, fold): each site's classes follow its own
+    mix; every fifth lesion is test (every seventh val, with_val); `east` has no 9s."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    site = "north"
+    for i, (x, y) in enumerate(zip(d.images, d.target)):
+        if i % 2 == 0:  # a lesion's two images come from one site, as in a real hospital split
+            weights = {"north": 1 + (y < 3) * 4, "south": 1 + (y > 6) * 4, "east": 2}
+            site = str(rng.choice(SITES, p=np.array([weights[s] for s in SITES], float) / sum(weights.values())))
+            if site == "east" and (y == 9 or d.target[min(i + 1, len(d.target) - 1)] == 9):
+                site = "north"
+        lesion = f"L{i // 2}"  # two images per lesion: a group that must not straddle train and val
+        k = i // 2
+        fold = "test" if k % 5 == 0 else "val" if with_val and k % 7 == 0 else "train"
+        name = f"img{i}"
+        Image.fromarray(np.uint8(x * 15)).save(root / "images" / f"{name}.png")
+        rows.append({"image_id": name, "dx": str(y), "lesion_id": lesion, "center": site, "fold": fold})
+    for key, value in (drop or {}).items():
+        rows = [r for r in rows if r[key] != value]
+    with open(root / "labels.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return root
+
+
+def site_cfg(root: Path, **over) -> RunConfig:
+    flags = {"dataset": "folder", "data_root": str(root), "labels": "labels.csv", "label_column": "dx",
+             "group_column": "lesion_id", "client_column": "center", "split_column": "fold", "img_size": 16,
+             "channels": 1, "cache_dir": "", **over}
+    return load_config(CONFIGS / "smoke.yaml", {k: v for k, v in flags.items() if v is not None})
+
+
+def csv_rows(root: Path) -> list[dict]:
+    with open(root / "labels.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_one_client_per_site_on_its_own_rows_and_the_split_from_the_column(tmp_path):
+    from tafl.training.simulator import prepare
+
+    root = make_sites(tmp_path / "d")
+    cfg = site_cfg(root)
+    assert cfg.imbalance_factor is None  # the smoke file's synthetic long tail is replaced by the sites' own
+    prep = prepare(cfg)
+    ds, rows = prep.dataset, csv_rows(root)
+    assert ds.site_names == sorted(SITES) and cfg.clients == 3 and len(prep.parts) == 3
+    by_id = {r["image_id"]: r for r in rows}
+    # every client's rows come from its own site, and together they are all training rows
+    for k, part in enumerate(prep.parts):
+        assert {by_id[i]["center"] for i in prep.train.ids[part]} == {ds.site_names[k]}
+    assert sum(len(p) for p in prep.parts) == len(prep.train)
+    # test is exactly the column's test rows; val is carved from training rows only, per site, by lesion
+    assert set(ds.test.ids) == {r["image_id"] for r in rows if r["fold"] == "test"}
+    assert {by_id[i]["fold"] for i in ds.val.ids} == {"train"}
+    train_lesions = {by_id[i]["lesion_id"] for i in ds.train.ids}
+    assert not train_lesions & {by_id[i]["lesion_id"] for i in ds.val.ids}
+    for k, site in enumerate(ds.site_names):
+        site_train = sum(r["fold"] == "train" and r["center"] == site for r in rows)
+        held = int((ds.val.sites == k).sum())
+        assert 0.08 * site_train < held < 0.25 * site_train  # about val_fraction of that site's training rows
+    # the real mixes differ by site, and east has no 9s: a normal case, not an error
+    east = ds.site_names.index("east")
+    assert prep.client_counts[east][9] == 0 and prep.client_counts.sum() == len(prep.train)
+    assert np.argmax(prep.client_counts[ds.site_names.index("north")]) < 3
+
+
+def test_val_rows_in_the_column_are_the_validation_split(tmp_path):
+    from tafl.training.data import load_dataset
+
+    root = make_sites(tmp_path / "d", with_val=True)
+    ds = load_dataset(site_cfg(root))
+    rows = {r["image_id"]: r["fold"] for r in csv_rows(root)}
+    assert {rows[i] for i in ds.val.ids} == {"val"} and {rows[i] for i in ds.train.ids} == {"train"}
+
+
+@pytest.mark.slow
+def test_a_site_run_trains_and_reports(tmp_path):
+    from tafl.training.simulator import train
+
+    root = make_sites(tmp_path / "d")
+    import torch
+
+    train(site_cfg(root, rounds=1, frac=1.0), tmp_path / "run", progress=False)
+    ck = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert ck["run_config"]["clients"] == 3 and ck["run_config"]["client_column"] == "center"
+    assert ck["data_provenance"]["site_names"] == sorted(SITES) and len(ck["client_class_counts"]) == 3
+
+
+@pytest.mark.parametrize("flags,pattern", [
+    ({"clients": 5}, "makes one client per site, so clients does not apply"),
+    ({"alpha": 0.3, "partition": "dirichlet"}, "so alpha, partition do not apply"),
+    ({"imbalance_factor": 10.0}, "imbalance_factor does not apply"),
+])
+def test_simulated_client_flags_are_errors_with_a_client_column(tmp_path, flags, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        site_cfg(tmp_path, **flags)
+
+
+def test_a_file_that_sets_both_is_an_error_and_other_datasets_have_no_columns(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("dataset: folder\ndata_root: x\nlabels: y.csv\nclient_column: center\nclients: 4\n")
+    with pytest.raises(ConfigError, match="clients does not apply"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="'client_column'.*only for dataset 'folder'"):
+        load_config(None, {"client_column": "center"})
+    with pytest.raises(ConfigError, match="imbalance_factor.*own long tail"):
+        RunConfig.from_dict({"dataset": "folder", "data_root": "x", "labels": "y", "client_column": "c"}).validate()
+
+
+def test_bad_site_csvs_are_clear_errors(tmp_path):
+    from tafl.training.data import load_dataset
+    from tafl.training.simulator import prepare
+
+    one = make_sites(tmp_path / "one", drop={"center": "south"})
+    rows = csv_rows(one)
+    for r in rows:
+        r["center"] = "north"
+    with open(one / "labels.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with pytest.raises(DataError, match="column 'center' holds one value \\('north'\\)"):
+        load_dataset(site_cfg(one))
+
+    for r in rows[:3]:
+        r["fold"] = "holdout"
+    with open(one / "labels.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with pytest.raises(DataError, match="column 'fold' holds 'holdout'; each row must be one of train, val or test"):
+        load_dataset(site_cfg(one, client_column=None))
+
+    with pytest.raises(DataError, match="no column 'hospital'"):
+        load_dataset(site_cfg(make_sites(tmp_path / "d"), client_column="hospital"))
+
+    # a site whose rows are all test rows has nothing to train a client on
+    only_test = make_sites(tmp_path / "t")
+    rows = csv_rows(only_test)
+    for r in rows:
+        if r["center"] == "east":
+            r["fold"] = "test"
+    with open(only_test / "labels.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with pytest.raises(DataError, match="site\\(s\\) east have no training rows"):
+        prepare(site_cfg(only_test))
