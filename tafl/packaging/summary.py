@@ -35,7 +35,8 @@ DISTRIBUTIONS_NOTE = ("forwardN: the classes as common as in training's long tai
                       "test split by that mix.")
 
 
-def _num(v: Any) -> float | None:
+def finite(v: Any) -> float | None:
+    """`v` as a finite float, or None (metadata numbers may be missing, null, text or NaN)."""
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -60,7 +61,7 @@ def training_shares(meta: dict[str, Any]) -> list[float] | None:
     names = meta.get("class_names") or []
     if not isinstance(counts, list) or len(counts) != len(names):
         return None
-    vals = [_num(c) for c in counts]
+    vals = [finite(c) for c in counts]
     if any(v is None or v < 0 for v in vals):
         return None
     total = sum(vals)  # type: ignore[arg-type]
@@ -97,12 +98,12 @@ def plain_summary(meta: dict[str, Any]) -> dict[str, Any]:
     n_train = (meta.get("data_provenance") or {}).get("n_train")
     what = f"Sorts {dataset} images into one of {len(names)} classes: {', '.join(names)}."
 
-    accuracy = [(words, whole_pct(v), v) for k, words in MIXES if (v := _num(acc.get(k))) is not None]
+    accuracy = [(words, whole_pct(v), v) for k, words in MIXES if (v := finite(acc.get(k))) is not None]
 
     per_class = met.get("per_class_accuracy") or []
     well, between, missed, untested = [], [], [], []
     for i, c in enumerate(names):
-        v = _num(per_class[i]) if i < len(per_class) else None
+        v = finite(per_class[i]) if i < len(per_class) else None
         if v is None:
             untested.append((c, "—"))
         else:
@@ -128,7 +129,7 @@ def plain_summary(meta: dict[str, Any]) -> dict[str, Any]:
         f"Other kinds of images: it learned only from {seen}{kind} of the {dataset} collection{shrunk}; images "
         "from another modality, body site, device or hospital may be misread without any warning.",
     ]
-    by_mix = {k: _num(acc.get(k)) for k, _ in MIXES}
+    by_mix = {k: finite(acc.get(k)) for k, _ in MIXES}
     fwd, bwd = by_mix["forward50"], by_mix["backward50"]
     if fwd is not None and bwd is not None and fwd - bwd >= REVERSED_DROP:
         not_for.append(f"A site where the usually rare findings are common, unless checked there first: its "

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ from starlette.routing import Route
 
 from tafl.imaging.heatmap import _jet, overlay
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, plain_summary, training_shares
+from tafl.packaging.summary import finite as _num
 
 log = logging.getLogger("tafl.serving")
 
@@ -83,14 +83,6 @@ def _api():
 
 
 # ------------------------------------------------------------------ formatting
-def _num(v: Any) -> float | None:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
-
 def pct(v: Any, digits: int = 1) -> str:
     f = _num(v)
     return "—" if f is None else f"{100 * f:.{digits}f}%"
