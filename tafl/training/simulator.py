@@ -676,6 +676,47 @@ def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState
     report["prior_adaptation"] = sec
 
 
+def site_evaluation(method: Method, state: GlobalState, test_out: dict[str, np.ndarray], ds: Dataset
+                    ) -> dict[str, Any]:
+    """Each site's own test rows, its real case mix (--client-column): accuracy and balanced accuracy at the
+    model's own rule (`own`: what `prior=train` serves), adapted to the mix the package's estimator finds in that
+    site's unlabeled test images (`adapted`: what `prior=adaptive` would serve there) and at that site's true mix
+    (`oracle`); their mean over the sites; and the pooled test split's balanced accuracy at the model's own rule
+    (the number Fed-ISIC2019/FLamby reports). A site without test rows is listed in `sites_without_test`."""
+    from tafl.prior import Calibration, PriorEstimator, adapt
+
+    C = len(ds.class_names)
+    calib = Calibration.from_dict(state.meta.get("calibration"), C)
+    source = calib.source_prior if calib.source_prior is not None else method.default_source_prior(state)
+    estimator = PriorEstimator.from_dict(state.meta.get("prior_estimator"))
+    probs = calib.probs(method.posterior_logits(test_out))
+    plain, labels = np.asarray(test_out["label"]), ds.test.labels
+
+    def scores(preds: np.ndarray, truth: np.ndarray) -> dict[str, float]:
+        return {"accuracy": float((preds == truth).mean()), "balanced_accuracy": balanced_accuracy(preds, truth, C)}
+
+    sites: dict[str, Any] = {}
+    for k, name in enumerate(ds.site_names):
+        idx = np.flatnonzero(ds.test.sites == k)
+        if len(idx) == 0:
+            continue
+        truth, p = labels[idx], probs[idx]
+        counts = np.bincount(truth, minlength=C)
+        est = estimator.estimate(p, source)
+        sites[name] = {"n_test": int(len(idx)), "test_class_counts": [int(c) for c in counts],
+                       "own": scores(plain[idx], truth),
+                       "adapted": scores(adapt(p, source, est.prior).argmax(1), truth),
+                       "oracle": scores(adapt(p, source, counts / counts.sum()).argmax(1), truth),
+                       "estimated_mix": [float(v) for v in est.prior],
+                       "estimate_tv": float(0.5 * np.abs(est.prior - counts / counts.sum()).sum())}
+    rules = ("own", "adapted", "oracle")
+    mean = {rule: {m: float(np.mean([v[rule][m] for v in sites.values()])) for m in ("accuracy", "balanced_accuracy")}
+            for rule in rules} if sites else {}
+    return {"sites": sites, "site_mean": mean,
+            "sites_without_test": [n for n in ds.site_names if n not in sites],
+            "pooled_balanced_accuracy": balanced_accuracy(plain, labels, C)}
+
+
 def adaptation_accuracies(probs: np.ndarray, labels: np.ndarray, ranks: np.ndarray, source: np.ndarray,
                           sizes: list[int], draws: int, seed: int, estimate=None,
                           plain: np.ndarray | None = None, boot: int = 0) -> dict[str, Any]:
@@ -801,6 +842,8 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
         report["validation"]["vote_rules"] = vote_rule_accuracies(val, names, state.meta, ds.val.labels, ranks,
                                                                   cfg.test_seed)
     _prior_adaptation(report, method, state, cfg, out, val, ds, ranks)
+    if ds.test.sites is not None and ds.site_names:
+        report.update(site_evaluation(method, state, out, ds))
     book = ck.get("book", {})
     report["timing"] = dict(book.get("timing", {}), test_eval_s=time.perf_counter() - t0)
     report["communication"] = dict(book.get("communication", {}))

@@ -103,16 +103,36 @@ def test_val_rows_in_the_column_are_the_validation_split(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_site_run_trains_and_reports(tmp_path):
+def test_a_site_run_trains_and_reports_each_site_on_its_own_mix(tmp_path):
+    import json
+
+    import torch
+
     from tafl.training.simulator import train
 
     root = make_sites(tmp_path / "d")
-    import torch
-
     train(site_cfg(root, rounds=1, frac=1.0), tmp_path / "run", progress=False)
     ck = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert ck["run_config"]["clients"] == 3 and ck["run_config"]["client_column"] == "center"
     assert ck["data_provenance"]["site_names"] == sorted(SITES) and len(ck["client_class_counts"]) == 3
+    # the report: each site on its own test rows (its real mix) at the model's rule, adapted, and the oracle
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    rows = csv_rows(root)
+    assert set(report["sites"]) == set(SITES) and report["sites_without_test"] == []
+    for site, r in report["sites"].items():
+        test = [x for x in rows if x["center"] == site and x["fold"] == "test"]
+        assert r["n_test"] == len(test) and sum(r["test_class_counts"]) == len(test)
+        assert r["test_class_counts"][9] == sum(x["dx"] == "9" for x in test)
+        for rule in ("own", "adapted", "oracle"):
+            assert 0 <= r[rule]["balanced_accuracy"] <= 1 and 0 <= r[rule]["accuracy"] <= 1
+        assert abs(sum(r["estimated_mix"]) - 1) < 1e-6
+    own = [r["own"]["accuracy"] for r in report["sites"].values()]
+    assert report["site_mean"]["own"]["accuracy"] == pytest.approx(sum(own) / 3)
+    # pooled: the whole test split at the model's rule, the same number as the report's own balanced accuracy
+    n = sum(r["n_test"] for r in report["sites"].values())
+    assert n == sum(x["fold"] == "test" for x in rows) and 0 < report["pooled_balanced_accuracy"] <= 1
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "## Per site: each site's own test images (%)" in md and "| mean over sites |" in md
 
 
 @pytest.mark.parametrize("flags,pattern", [
