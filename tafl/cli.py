@@ -239,7 +239,7 @@ def _port_or_free(port: int) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from tafl.serving.launch import drain_seconds_from_env, preflight, serve
+    from tafl.serving.launch import drain_seconds_from_env, serve
 
     # the service reads these from its environment, which `serve` hands on; its own pre-check reads them too
     if ns.trusted_keys:
@@ -250,10 +250,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.package_root:
         os.environ["TAFL_PACKAGE_ROOT"] = str(Path(ns.package_root).resolve())
     drain = ns.drain_seconds if ns.drain_seconds is not None else drain_seconds_from_env()
-    preflight(ns.packages, ns.host, ns.port)  # the packages, the TAFL_* settings and the port, before we say so
-    print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (the page for people: "
-          f"http://{ns.host}:{ns.port}/; Ctrl-C or SIGTERM stops it within {drain:g} s)", flush=True)
-    return serve(ns.packages, ns.host, ns.port, ns.token, drain_seconds=drain)
+    def announce() -> None:  # after serve's preflight: the packages, the TAFL_* settings and the port are good
+        print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (the page for people: "
+              f"http://{ns.host}:{ns.port}/; Ctrl-C or SIGTERM stops it within {drain:g} s)", flush=True)
+
+    return serve(ns.packages, ns.host, ns.port, ns.token, drain_seconds=drain, on_checked=announce)
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 def serve(packages: list[str], host: str = "127.0.0.1", port: int = 3000, token: str | None = None,
-          drain_seconds: float = DRAIN_SECONDS) -> int:
+          drain_seconds: float = DRAIN_SECONDS, on_checked: Callable[[], None] | None = None) -> int:
     """Run `bentoml serve` until it exits or the wrapper is told to stop; the server's exit status.
 
     `preflight` runs first (ConfigError, PackageError: one line, nothing started). The server gets a
@@ -211,6 +212,8 @@ def serve(packages: list[str], host: str = "127.0.0.1", port: int = 3000, token:
     if drain_seconds <= 0:
         raise ConfigError(f"--drain-seconds must be positive, got {drain_seconds}")
     preflight(packages, host, port)
+    if on_checked is not None:  # the caller's "serving ..." line, once everything it names is known to be good
+        on_checked()
     prom = prometheus_dir()
     try:
         status = _run_server(packages, host, port, token, drain_seconds, prom)

@@ -45,11 +45,15 @@ def make_sites(root: Path, *, with_val: bool = False, drop: dict | None = None) 
         rows.append({"image_id": name, "dx": str(y), "lesion_id": lesion, "center": site, "fold": fold})
     for key, value in (drop or {}).items():
         rows = [r for r in rows if r[key] != value]
+    write_rows(root, rows)
+    return root
+
+
+def write_rows(root: Path, rows: list[dict]) -> None:
     with open(root / "labels.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    return root
 
 
 def site_cfg(root: Path, **over) -> RunConfig:
@@ -164,19 +168,13 @@ def test_bad_site_csvs_are_clear_errors(tmp_path):
     rows = csv_rows(one)
     for r in rows:
         r["center"] = "north"
-    with open(one / "labels.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(one, rows)
     with pytest.raises(DataError, match="column 'center' holds one value \\('north'\\)"):
         load_dataset(site_cfg(one))
 
     for r in rows[:3]:
         r["fold"] = "holdout"
-    with open(one / "labels.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(one, rows)
     with pytest.raises(DataError, match="column 'fold' holds 'holdout'; each row must be one of train, val or test"):
         load_dataset(site_cfg(one, client_column=None))
 
@@ -189,9 +187,6 @@ def test_bad_site_csvs_are_clear_errors(tmp_path):
     for r in rows:
         if r["center"] == "east":
             r["fold"] = "test"
-    with open(only_test / "labels.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(only_test, rows)
     with pytest.raises(DataError, match="site\\(s\\) east have no training rows"):
         prepare(site_cfg(only_test))
