@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tafl.packaging.summary import DISTRIBUTIONS_NOTE, summary_markdown
+from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, site_rows, summary_markdown
 
 ORDER = ("forward50", "forward25", "forward10", "forward5", "forward2", "uniform", "backward2", "backward5",
          "backward10", "backward25", "backward50")
@@ -93,6 +93,12 @@ def render_card(m: dict[str, Any]) -> str:
                           f"{_pct(um.get('specificity'))}, AUC {_pct(um.get('auc'))}."]
     else:
         lines.append("Not recorded (no evaluation report beside the checkpoint at export).")
+    rows = site_rows(m)
+    if rows:
+        lines += ["", "### Per site", "", SITES_NOTE, "",
+                  "| site | test images | accuracy | balanced accuracy | adapted | true mix given |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['site']} | {r['n_test'] if r['n_test'] is not None else ''} | {_pct(r['own'])} | "
+                  f"{_pct(r['own_balanced'])} | {_pct(r['adapted'])} | {_pct(r['oracle'])} |" for r in rows]
     lines += ["", "## Limitations", ""] + [f"- {x}" for x in m["limitations"]]
     prov = m["data_provenance"]
     lines += ["", "## Training and provenance", "",

@@ -377,7 +377,11 @@ def _metrics_from(ck_path: Path) -> dict[str, Any] | None:
                                  for k in ("forward50", "uniform", "backward50") if k in dists},
             "uniform_metrics": {k: v for k, v in (r.get("uniform_metrics") or {}).items() if k != "per_class"},
             "per_class_accuracy": r.get("per_class_accuracy"),
-            "validation": r.get("validation")}
+            "validation": r.get("validation"),
+            **({"sites": {name: {k: d.get(k) for k in ("n_test", "own", "adapted", "oracle")}
+                          for name, d in r["sites"].items()},
+                "site_mean": r.get("site_mean"), "pooled_balanced_accuracy": r.get("pooled_balanced_accuracy")}
+               if r.get("sites") else {})}
 
 
 def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: bool,

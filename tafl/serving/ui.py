@@ -38,7 +38,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from tafl.imaging.heatmap import _jet, overlay
-from tafl.packaging.summary import DISTRIBUTIONS_NOTE, plain_summary, training_shares
+from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, plain_summary, site_rows, training_shares
 from tafl.packaging.summary import finite as _num
 
 log = logging.getLogger("tafl.serving")
@@ -325,6 +325,8 @@ def _static_view(model, index: int) -> dict[str, Any]:
         "card": render_card(pkg.card),
         "intended_use": meta.get("intended_use"),
         "summary": plain_summary(meta), "distributions_note": DISTRIBUTIONS_NOTE, "assumed_differs": differs,
+        "site_rows": [{**r, **{k: pct(r[k]) for k in ("own", "own_balanced", "adapted", "oracle")}}
+                      for r in site_rows(meta)], "sites_note": SITES_NOTE,
     }
     with _static_lock:
         if len(_static_cache) > 64:  # reloads leave old versions behind

@@ -54,6 +54,12 @@ def run_label(rep: dict[str, Any]) -> str:
         label += " (transductive SimCLR)"
     if rep["method"] == "dafl":
         label += f" [{cfg.get('loss', 'dafl')}, {cfg.get('aggregation', 'imbalance')}]"
+    if cfg.get("local_adjust"):
+        label += f" + local logit adjustment {cfg['local_adjust']:g}"
+    if cfg.get("calibration", "none") != "none":
+        label += f" + {cfg['calibration']} calibration"
+    if cfg.get("decision", "argmax") != "argmax":
+        label += " + τ on validation"
     return label
 
 
@@ -117,6 +123,32 @@ def _dist_table(groups: dict[str, Reports], key: str) -> list[str]:
     return lines
 
 
+def _site_table(groups: dict[str, Reports]) -> list[str]:
+    """Runs with --client-column: the pooled balanced accuracy (FLamby's number), the mean over sites of each
+    site's own-mix accuracy at the model's own rule, adapted to the mix estimated from the site's unlabeled images
+    and at its true mix, and each site's own-rule accuracy."""
+    if not any(r.get("sites") for reps in groups.values() for r in reps):
+        return []
+    site_names = sorted({s for reps in groups.values() for r in reps for s in (r.get("sites") or {})})
+    lines = ["", "## Per site — each site's own test images (%)", "",
+             "Pooled: balanced accuracy over every site's test images at the model's own rule. Mean over sites: "
+             "accuracy (balanced accuracy) on each site's own case mix at the model's own rule, adapted to the mix "
+             "estimated from the site's unlabeled test images, and at the site's true mix (oracle). Then each "
+             "site's own-rule accuracy.", "",
+             "| | runs (seeds) | pooled bal. acc | own | own (bal.) | adapted | adapted (bal.) | oracle | "
+             + " | ".join(site_names) + " |", "|" + "---|" * (8 + len(site_names))]
+    for lab, reps in groups.items():
+        if not any(r.get("sites") for r in reps):
+            continue
+        cells = [cell(reps, lambda r: r["pooled_balanced_accuracy"])]
+        for rule, metric in (("own", "accuracy"), ("own", "balanced_accuracy"), ("adapted", "accuracy"),
+                             ("adapted", "balanced_accuracy"), ("oracle", "accuracy")):
+            cells.append(cell(reps, lambda r, a=rule, m=metric: r["site_mean"][a][m]))
+        cells += [cell(reps, lambda r, s=s: r["sites"][s]["own"]["accuracy"]) for s in site_names]
+        lines.append(f"| {lab} | {_seeds(reps)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def compare(paths: list[str | Path], labels: list[str] | None = None) -> tuple[str, dict[str, Reports]]:
     reports = [load_report(p) for p in paths]
     names = labels or [run_label(r) for r in reports]
@@ -172,6 +204,7 @@ def compare(paths: list[str | Path], labels: list[str] | None = None) -> tuple[s
             if fu and fd:
                 extra = f"{(up[0] + down[0] - fu[0] - fd[0]) / 1e6:.2f}"
         lines.append(f"| {lab} | {up[0] / 1e6 if up else 0:.2f} | {down[0] / 1e6 if down else 0:.2f} | {extra} |")
+    lines += _site_table(groups)
     if any(r.get("experts") for r in reports):
         lines += ["", "## Experts (prior-weighted accuracy, %)", ""]
         for lab, reps in groups.items():

@@ -195,6 +195,14 @@ def hostile_pkg(gtafl_pkg, tmp_path_factory) -> Path:
     meta["name"] = "ui-hostile"
     meta["class_names"][0] = HOSTILE_CLASS
     meta["metrics"]["source"] = "<script>window.__pwned=5</script>"
+    # as if trained with --client-column: two sites, one named with markup
+    meta["metrics"]["sites"] = {
+        "vienna": {"n_test": 88, "own": {"accuracy": 0.71, "balanced_accuracy": 0.42},
+                   "adapted": {"accuracy": 0.74, "balanced_accuracy": 0.44},
+                   "oracle": {"accuracy": 0.78, "balanced_accuracy": 0.47}},
+        HOSTILE_CLASS: {"n_test": 12, "own": {"accuracy": 0.5, "balanced_accuracy": None}}}
+    meta["metrics"]["site_mean"] = {"own": {"accuracy": 0.605, "balanced_accuracy": 0.42}}
+    meta["metrics"]["pooled_balanced_accuracy"] = 0.433
     (out / "metadata.json").write_text(json.dumps(meta))
     (out / "README.md").write_text(HOSTILE_CARD)
     names = [line.split(maxsplit=1)[1] for line in (out / SUMS).read_text().splitlines() if line.strip()]
@@ -221,6 +229,21 @@ def test_package_text_is_escaped(hostile_server):
     assert '<a href="https://example.org/card">fine</a>' in html  # ordinary Markdown still renders
     assert "<b>bold?</b>" not in html
     assert len(re.findall(r"<script\b", html)) == 1  # the page's own script only
+
+
+def test_a_model_trained_on_sites_shows_each_site_on_its_own_patients(hostile_server):
+    """Per site (--client-column runs): each site's own-mix accuracy, balanced accuracy, adapted and true-mix
+    figures, the mean over sites and the pooled balanced accuracy; a missing number is a dash, not a crash."""
+    from html import unescape
+
+    html = get(hostile_server, "/").text
+    table = html.split('<table class="data sites">', 1)[1].split("</table>", 1)[0]
+    rows = [re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", " ", r))).strip() for r in table.split("<tr>")[2:]]
+    assert rows[0] == "vienna 88 71.0% 42.0% 74.0% 78.0%"
+    assert rows[1] == f"{HOSTILE_CLASS} 12 50.0% — — —"  # escaped in the HTML, shown as text
+    assert rows[2] == "mean over sites 60.5% 42.0% — —"
+    assert rows[3] == "all sites pooled 100 — 43.3% — —"
+    assert "Each site on its own patients" in html
 
 
 def test_case_mix_estimate_and_its_drift_are_those_of_models(hostile_server):

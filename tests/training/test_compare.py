@@ -73,3 +73,34 @@ def test_cli_compare_prints_mean_and_sd_and_writes_the_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| creff | 3 (1, 2, 3) |" in out and "34.00 ± 2.00" in out
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def _site_report(method: str, seed: int, pooled: float, own: dict[str, float], **cfg) -> dict:
+    rep = _report(method, seed, 0.5, **cfg)
+    rep["sites"] = {s: {"n_test": 10, "own": {"accuracy": a, "balanced_accuracy": a / 2},
+                        "adapted": {"accuracy": a + 0.01, "balanced_accuracy": a / 2},
+                        "oracle": {"accuracy": a + 0.02, "balanced_accuracy": a / 2}} for s, a in own.items()}
+    rep["site_mean"] = {rule: {m: sum(v[rule][m] for v in rep["sites"].values()) / len(own)
+                               for m in ("accuracy", "balanced_accuracy")} for rule in ("own", "adapted", "oracle")}
+    rep["pooled_balanced_accuracy"] = pooled
+    return rep
+
+
+def test_site_runs_get_a_per_site_table_and_the_decision_names_the_row(tmp_path):
+    base = [_site_report("fedavg", s, p, {"north": 0.8, "south": a}, decision="validation")
+            for s, p, a in ((1, 0.40, 0.6), (2, 0.44, 0.7))]
+    local = _site_report("fedavg", 1, 0.50, {"north": 0.9, "south": 0.5}, decision="validation", local_adjust=1.0)
+    plain = _report("fedavg", 1, 0.3)  # a run without sites: no row in the per-site table
+    assert run_label(base[0]) == "fedavg + τ on validation"
+    assert run_label(local) == "fedavg + local logit adjustment 1 + τ on validation"
+    assert run_label(_report("gtafl", 1, 0.4, calibration="vector")) == "gtafl + vector calibration"
+    paths = [_write(tmp_path, f"r{i}", r) for i, r in enumerate([*base, local, plain])]
+    text, _ = compare(paths)
+    table = text.split("## Per site")[1].split("\n## ")[0]
+    assert "| pooled bal. acc | own | own (bal.) | adapted | adapted (bal.) | oracle | north | south |" in table
+    row = next(x for x in table.splitlines() if x.startswith("| fedavg + τ on validation | 2 (1, 2) |"))
+    # pooled 42 ± 2.83; mean over sites (80+60)/2=70 and (80+70)/2=75 -> 72.50 ± 3.54; south 65.00 ± 7.07
+    assert "| 42.00 ± 2.83 | 72.50 ± 3.54 |" in row and row.endswith("| 80.00 ± 0.00 | 65.00 ± 7.07 |")
+    assert "| fedavg + local logit adjustment 1 + τ on validation | 1 (1) | 50.00 | 70.00 |" in table
+    assert "| fedavg | 1 (1)" not in table
+    assert "## Per site" not in compare([paths[-1]])[0]

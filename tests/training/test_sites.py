@@ -137,6 +137,17 @@ def test_a_site_run_trains_and_reports_each_site_on_its_own_mix(tmp_path):
     assert n == sum(x["fold"] == "test" for x in rows) and 0 < report["pooled_balanced_accuracy"] <= 1
     md = (tmp_path / "run" / "report.md").read_text()
     assert "## Per site: each site's own test images (%)" in md and "| mean over sites |" in md
+    # the package carries the per-site figures; its model card shows the table (the page renders the same rows)
+    from tafl.packaging.export import export_checkpoint
+
+    pkg = export_checkpoint(tmp_path / "run" / "final.pt", tmp_path / "pkg")
+    met = pkg.metadata["metrics"]
+    assert met["sites"]["east"]["own"] == report["sites"]["east"]["own"]
+    assert met["pooled_balanced_accuracy"] == report["pooled_balanced_accuracy"]
+    card = pkg.card.split("### Per site", 1)[1].split("\n## ", 1)[0]
+    own = 100 * report["sites"]["north"]["own"]["accuracy"]
+    assert f"| north | {report['sites']['north']['n_test']} | {own:.1f}% |" in card
+    assert f"| all sites pooled | {n} | — | {100 * report['pooled_balanced_accuracy']:.1f}% | — | — |" in card
 
 
 @pytest.mark.parametrize("flags,pattern", [
