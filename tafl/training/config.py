@@ -82,6 +82,9 @@ class RunConfig:
     # folder: the split of each row from this CSV column (train, test, and val if present); without val rows,
     # val_fraction of each site's training rows (by group_column) is held out for validation, never test rows
     split_column: str | None = None
+    # train one model on every client's training rows together, no federation: the pooled (centralised) ceiling a
+    # federated run is measured against; with client_column each site is still evaluated on its own test rows
+    centralised: bool = False
     download: bool = False  # MedMNIST: download the npz when it is missing (needs a network)
     val_fraction: float = 0.15  # digits/folder: share of the data held out for validation
     test_fraction: float = 0.2  # digits/folder: share of the data held out for testing
@@ -103,6 +106,10 @@ class RunConfig:
     weight_decay: float = 0.0  # local SGD weight decay
     optimizer: str = "sgd"  # local optimizer: sgd | adam (DAFL's paper uses Adam, lr 1e-4)
     mu: float = 0.01  # FedProx proximal coefficient
+    # fedavg/fedprox: each client trains on logits + local_adjust·log(its own class shares), the logit-adjusted loss
+    # (Menon et al. 2021) with the client's local mix, as FedLC (Zhang et al. 2022) calibrates label skew: a site
+    # that never sees a class does not push it down, and the model learns balanced scores; 0: plain cross-entropy
+    local_adjust: float = 0.0
     augment: bool = True  # random crop (pad 1/8 of the side) and horizontal flip during local training
     # extra augmentation on top of crop and flip: none | trivial (timm's TrivialAugment-style wide policy,
     # one random op per image) | randaugment (timm's RandAugment, 2 ops at magnitude 9)
@@ -278,7 +285,7 @@ class RunConfig:
         for key in ("lr",):
             if not getattr(self, key) > 0:
                 raise bad(key, "must be > 0")
-        for key in ("momentum", "weight_decay", "mu"):
+        for key in ("momentum", "weight_decay", "mu", "local_adjust"):
             if not getattr(self, key) >= 0:
                 raise bad(key, "must be >= 0")
         for key in ("val_fraction", "test_fraction"):
@@ -344,6 +351,10 @@ class RunConfig:
         for key in ("client_column", "split_column"):
             if getattr(self, key) and self.dataset != "folder":
                 raise bad(key, "reads a column of the labels CSV: only for dataset 'folder'")
+        if self.centralised and self.engine != "simulator":
+            raise bad("centralised", "trains one model on pooled data: it runs in the simulator (--engine simulator)")
+        if self.local_adjust and self.method not in ("fedavg", "fedprox"):
+            raise bad("local_adjust", f"applies to fedavg and fedprox, not {self.method}")
         if self.client_column and self.imbalance_factor is not None:
             raise bad("imbalance_factor", "with client_column every site keeps its own long tail; set it to null "
                                           "(--imbalance-factor none)")

@@ -144,3 +144,16 @@ def local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
             total += float(loss.detach())
             steps += 1
     return {"loss": total / steps if steps else math.nan, "steps": float(steps), "nonfinite_steps": float(nonfinite)}
+
+
+def logit_adjusted_loss(class_counts: torch.Tensor, tau: float, floor: float = 1e-6) -> LossFn:
+    """Cross-entropy on z + τ·log π with π a client's own class shares (the logit-adjusted loss of Menon et al.
+    2021, computed with the local mix as FedLC does): the scores z learn p(x|y), not the site's mix, and a class
+    the site never sees (π floored at `floor`) gets no push down from it."""
+    counts = class_counts.to(torch.float64)
+    offset = (tau * torch.log((counts / counts.sum()).clamp_min(floor))).to(torch.float32)
+
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits + offset.to(logits.device), y)
+
+    return loss

@@ -76,6 +76,9 @@ def prepare(cfg: RunConfig) -> Prepared:
     else:
         parts = dirichlet_partition(train.labels, cfg.clients, cfg.alpha, cfg.seed, equal=cfg.partition == "equal",
                                     num_classes=ds.num_classes)
+    if cfg.centralised:  # the pooled ceiling: one client holds every training row
+        parts = [np.sort(np.concatenate(parts))]
+        cfg.clients, cfg.frac = 1, 1.0
     parts, holdouts = holdout_split(parts, cfg.calib_holdout, cfg.seed, train.labels, cfg.calib_holdout_mode)
     cc = client_class_counts(train.labels, parts, ds.num_classes)
     model_cfg = ModelConfig(backbone=cfg.backbone, num_classes=ds.num_classes, in_chans=ds.preprocess.channels,

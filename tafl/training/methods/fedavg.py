@@ -1,7 +1,10 @@
 """FedAvg and FedProx: local SGD, sample-count-weighted averaging of the whole model state.
 
 FedProx adds μ/2·‖w − w_global‖² to each client's local loss (`mu` in the config). The
-BatchNorm running statistics are averaged with the same weights as the parameters.
+BatchNorm running statistics are averaged with the same weights as the parameters. With `local_adjust` τ
+each client trains on the logit-adjusted loss with its own class mix (`local.logit_adjusted_loss`), so the
+global model's softmax describes the training mix raised to 1 − τ (uniform at τ = 1), which is the source
+prior calibration, the operating point and the case-mix estimator work from.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from tafl.training.aggregate import check_results, weighted_average
-from tafl.training.local import local_sgd
+from tafl.training.local import local_sgd, logit_adjusted_loss
 from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method, Tensors
 
 log = logging.getLogger(__name__)
@@ -30,9 +35,19 @@ class FedAvg(Method):
                             epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=self.local_lr(round_cfg["round"]),
                             momentum=cfg.momentum, weight_decay=cfg.weight_decay, gen=gen, augment=cfg.augment,
                             policy=self.policy, prox_mu=self.prox_mu,
-                            prox_ref=payload if self.prox_mu > 0 else None, optimizer=cfg.optimizer)
+                            prox_ref=payload if self.prox_mu > 0 else None, optimizer=cfg.optimizer,
+                            loss_fn=logit_adjusted_loss(data.class_counts(), cfg.local_adjust) if cfg.local_adjust
+                            else None)
         weights = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return ClientResult(data.client_id, len(data), weights, {}, metrics)
+
+    def default_source_prior(self, state: GlobalState) -> np.ndarray:
+        """The mix the softmax describes: the training mix, raised to 1 − local_adjust and renormalised."""
+        prior = super().default_source_prior(state)
+        if not self.cfg.local_adjust:
+            return prior
+        shaped = np.clip(prior, 1e-6, None) ** max(0.0, 1.0 - self.cfg.local_adjust)
+        return shaped / shaped.sum()
 
     def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
         good = check_results(state.weights, results)
