@@ -85,6 +85,9 @@ class RunConfig:
     # train one model on every client's training rows together, no federation: the pooled (centralised) ceiling a
     # federated run is measured against; with client_column each site is still evaluated on its own test rows
     centralised: bool = False
+    # folder with client_column: decode only this site's rows (what one Flower SuperNode holds); the class list and
+    # the site names still come from the whole CSV, so the site's labels index the federation's classes
+    site: str | None = None
     download: bool = False  # MedMNIST: download the npz when it is missing (needs a network)
     val_fraction: float = 0.15  # digits/folder: share of the data held out for validation
     test_fraction: float = 0.2  # digits/folder: share of the data held out for testing
@@ -348,6 +351,8 @@ class RunConfig:
             raise bad("prior_smoothing", str(exc)) from None
         if self.dataset == "folder" and (not self.data_root or not self.labels):
             raise ConfigError("dataset 'folder' needs --data-root DIR and --labels FILE.csv")
+        if self.site and not self.client_column:
+            raise bad("site", "names one value of client_column; set --client-column too")
         for key in ("client_column", "split_column"):
             if getattr(self, key) and self.dataset != "folder":
                 raise bad(key, "reads a column of the labels CSV: only for dataset 'folder'")

@@ -81,11 +81,13 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     fit = Preprocess(size=size, channels=channels, mean=(0.0,) * channels, std=(1.0,) * channels)
     for key, split in splits.items():
         split.images = _fit_images(split.images, fit)
-    for key, split in splits.items():
+    # one site's rows (a Flower SuperNode's, `site`) need training rows only: a site may lack a class or a test fold
+    checked = {"train": splits["train"]} if cfg.site else splits
+    for key, split in checked.items():
         if len(split) == 0:
             raise DataError(f"dataset '{cfg.dataset}': the {key} split is empty")
     train = splits["train"]
-    for key, split in splits.items():
+    for key, split in ({} if checked is not splits else splits).items():
         counts = np.bincount(split.labels, minlength=len(class_names))
         empty = [class_names[c] for c in np.flatnonzero(counts == 0)]
         if empty:
@@ -188,14 +190,20 @@ def _load_folder(cfg: RunConfig):
     if not image_dir.is_absolute() and cfg.image_dir:
         image_dir = root / image_dir
     rows = _read_csv(csv_path, cfg)
+    class_names = sorted({r[1] for r in rows})  # the whole CSV's classes, also where one site's rows are read
+    if len(class_names) < 2:
+        raise DataError(f"{csv_path}: column '{cfg.label_column}' holds {len(class_names)} class(es); need at least 2")
+    site_names, sites = _sites(csv_path, [r[3] for r in rows], cfg)
+    if cfg.site is not None:  # one site's rows only (a Flower SuperNode's own data)
+        if cfg.site not in site_names:
+            raise DataError(f"{csv_path}: column '{cfg.client_column}' has no site {cfg.site!r} (sites: "
+                            f"{', '.join(site_names)})")
+        mine = sites == site_names.index(cfg.site)
+        rows, sites = [r for r, m in zip(rows, mine) if m], sites[mine]
     ids = np.array([r[0] for r in rows])
     label_names = [r[1] for r in rows]
     groups = np.array([r[2] for r in rows]) if cfg.group_column else None
-    site_names, sites = _sites(csv_path, [r[3] for r in rows], cfg)
     folds = _folds(csv_path, [r[4] for r in rows], cfg)
-    class_names = sorted(set(label_names))
-    if len(class_names) < 2:
-        raise DataError(f"{csv_path}: column '{cfg.label_column}' holds {len(class_names)} class(es); need at least 2")
     index = {n: i for i, n in enumerate(class_names)}
     labels = np.array([index[n] for n in label_names], np.int64)
     files = _resolve_files(image_dir, ids)
@@ -203,7 +211,8 @@ def _load_folder(cfg: RunConfig):
     csv_sha = sha256_file(csv_path)
     side = cfg.img_size or 64
     channels = cfg.channels or 3
-    cache = _cache_path(cfg, f"{csv_sha}:{image_dir.resolve()}:{side}:{channels}:{cfg.folder_frames}:{DECODER_VERSION}")
+    cache = _cache_path(cfg, f"{csv_sha}:{image_dir.resolve()}:{side}:{channels}:{cfg.folder_frames}:{DECODER_VERSION}"
+                             + (f":site={cfg.site}" if cfg.site is not None else ""))
     if cache is not None and cache.is_file():
         with np.load(cache) as z:
             images, rows = z["images"], z["rows"]
@@ -229,6 +238,8 @@ def _load_folder(cfg: RunConfig):
             "n_images": int(len(ids))}
     if site_names is not None:
         prov.update(client_column=cfg.client_column, site_names=site_names)
+    if cfg.site is not None:
+        prov["site"] = cfg.site
     if folds is not None:
         prov["split_column"] = cfg.split_column
     return splits, class_names, channels, prov
@@ -258,8 +269,9 @@ def _folds(path: Path, values: list[str], cfg: RunConfig) -> np.ndarray | None:
     if unknown:
         raise DataError(f"{path}: column '{cfg.split_column}' holds {', '.join(map(repr, unknown[:5]))}; each row must "
                         f"be one of train, val or test")
-    if "test" not in folds or "train" not in folds:
-        missing = "test" if "test" not in folds else "train"
+    need = ("train",) if cfg.site is not None else ("train", "test")  # one site may hold no test rows
+    if any(f not in folds for f in need):
+        missing = next(f for f in need if f not in folds)
         raise DataError(f"{path}: column '{cfg.split_column}' names no {missing} rows")
     return np.array(folds)
 

@@ -66,7 +66,7 @@ _CACHE_HITS = [0]  # messages served from _NODE_CACHE since it was filled (logge
 def _client(content, context) -> tuple[Any, ClientData]:
     """The method and this node's data, rebuilt from the server's configuration (cached per process)."""
     from tafl.imaging import Preprocess
-    from tafl.training.data import load_dataset
+    from tafl.training.data import folder_site_names, load_dataset
     from tafl.training.models import ModelConfig
     from tafl.training.simulator import make_method, prepare
 
@@ -84,7 +84,16 @@ def _client(content, context) -> tuple[Any, ClientData]:
     model_cfg = ModelConfig.from_dict(json.loads(conf["model_config"]))
     pre = Preprocess.from_dict(json.loads(conf["preprocess"]))
     class_names = json.loads(conf["class_names"])
-    if "partition-id" in node_cfg:
+    if "partition-id" in node_cfg and cfg.client_column:  # simulation of real sites: site K decodes its own rows
+        pid, names = int(node_cfg["partition-id"]), folder_site_names(cfg)
+        local = RunConfig.from_dict(cfg.to_dict())
+        local.site = names[pid]
+        ds = load_dataset(local.validate())
+        (rows,), (held,) = holdout_split([np.arange(len(ds.train))], cfg.calib_holdout, cfg.seed,
+                                          ds.train.labels, cfg.calib_holdout_mode, first_client=pid)
+        data = ClientData(pid, torch.from_numpy(ds.train.images), torch.from_numpy(ds.train.labels),
+                          torch.from_numpy(rows), len(class_names), torch.from_numpy(held))
+    elif "partition-id" in node_cfg:
         pid, n = int(node_cfg["partition-id"]), int(node_cfg.get("num-partitions", cfg.clients))
         if n != cfg.clients:
             raise ConfigError(f"this SuperNode is partition {pid} of {n}, but the run has {cfg.clients} clients")
@@ -96,13 +105,13 @@ def _client(content, context) -> tuple[Any, ClientData]:
         local.update({k.replace("-", "_"): v for k, v in node_cfg.items() if k.replace("-", "_") in DATA_KEYS},
                      "node config")
         local.img_size, local.channels, local.imbalance_factor = pre.size, pre.channels, None
+        local.client_column = local.split_column = local.site = None
         ds = load_dataset(local.validate())
-        if list(ds.class_names) != list(class_names):
-            raise DataError(f"this site's classes {ds.class_names} differ from the federation's {class_names}")
+        labels = site_labels(ds.class_names, class_names, ds.train.labels)
         cid = int(node_cfg.get("client-id", context.node_id % (2**31)))
         (rows,), (held,) = holdout_split([np.arange(len(ds.train))], cfg.calib_holdout, cfg.seed + cid,
-                                          ds.train.labels, cfg.calib_holdout_mode)
-        data = ClientData(cid, torch.from_numpy(ds.train.images), torch.from_numpy(ds.train.labels),
+                                          labels, cfg.calib_holdout_mode)
+        data = ClientData(cid, torch.from_numpy(ds.train.images), torch.from_numpy(labels),
                           torch.from_numpy(rows), len(class_names), torch.from_numpy(held))
     method = make_method(cfg, model_cfg, pre, "cpu")
     _NODE_CACHE.clear()  # one run at a time per process
@@ -111,6 +120,17 @@ def _client(content, context) -> tuple[Any, ClientData]:
     log.info("client data: prepared in %.1f s (pid %d, client %d, %d samples)", time.perf_counter() - t0, os.getpid(),
              int(data.client_id), len(data))
     return method, data
+
+
+def site_labels(site_classes: list[str], classes: list[str], labels: np.ndarray) -> np.ndarray:
+    """A site's labels as indices into the federation's classes. A site may lack classes (vidir_molemax has no
+    akiec); a class the federation does not know is an error."""
+    unknown = sorted(set(site_classes) - set(classes))
+    if unknown:
+        raise DataError(f"this site's classes {', '.join(unknown)} are not among the federation's "
+                        f"({', '.join(classes)})")
+    index = np.array([list(classes).index(c) for c in site_classes], np.int64)
+    return index[np.asarray(labels, np.int64)]
 
 
 def make_client_app():

@@ -137,7 +137,7 @@ HOLDOUT_CLASS_CAP = 0.3  # `classes` mode: at most this share of a client's rows
 
 
 def holdout_split(parts: list[np.ndarray], frac: float, seed: int, labels: np.ndarray | None = None,
-                  mode: str = "rows") -> tuple[list[np.ndarray], list[np.ndarray]]:
+                  mode: str = "rows", first_client: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Each client's rows split into training rows and held-out rows for the calibration round; a client keeps at
     least one training row. frac 0 returns the parts unchanged.
 
@@ -145,7 +145,8 @@ def holdout_split(parts: list[np.ndarray], frac: float, seed: int, labels: np.nd
     `classes` (needs `labels`): the same number, frac·n, shared evenly among the classes the client holds, each class
     giving at most HOLDOUT_CLASS_CAP of its rows; what a capped class cannot give is not made up by the others. The
     rare classes, whose calibration rests on a handful of images under `rows`, get several times more; the common
-    ones give fewer (docs/decisions.md §2.7). Only the client's own labels are read, so a Flower site can do it."""
+    ones give fewer (docs/decisions.md §2.7). Only the client's own labels are read, so a Flower site can do it:
+    `first_client` is the id of parts[0] (a site holding only its own rows draws what the simulator draws for it)."""
     if frac <= 0:
         return parts, [np.zeros(0, np.int64) for _ in parts]
     if mode not in HOLDOUT_MODES:
@@ -154,7 +155,7 @@ def holdout_split(parts: list[np.ndarray], frac: float, seed: int, labels: np.nd
         raise ValueError("holdout_split: mode 'classes' needs the labels")
     train, held = [], []
     for k, p in enumerate(parts):
-        perm = np.random.default_rng([seed, 211, k]).permutation(p)
+        perm = np.random.default_rng([seed, 211, first_client + k]).permutation(p)
         if mode == "rows":
             n = min(int(round(frac * len(p))), max(len(p) - 1, 0))
             take = perm[:n]

@@ -131,3 +131,38 @@ def _wait_for(path, timeout=600):
     deadline = time.time() + timeout
     while not path.exists() and time.time() < deadline:
         time.sleep(0.05)
+
+
+def test_flower_with_a_client_column_runs_one_supernode_per_site_on_its_own_rows(tmp_path, monkeypatch):
+    """--client-column on Flower: one SuperNode per site, each decoding only its own site's rows (`site`), the
+    same model as the in-process simulator; and a deployed site's labels index the federation's classes even
+    where the site lacks one (vidir_molemax has no akiec)."""
+    import numpy as np
+
+    from tafl.errors import DataError
+    from tafl.training.data import load_dataset
+    from tafl.training.flower import site_labels
+    from tests.training.test_sites import make_sites, site_cfg
+
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    root = make_sites(tmp_path / "d")
+    flags = {"rounds": 1, "frac": 1.0, "threads": 1, "calib_holdout": 0.1}
+    train(site_cfg(root, **flags), tmp_path / "inproc", progress=False)
+    run_flower_simulation(site_cfg(root, **flags), tmp_path / "flower")
+    a, b = _state(tmp_path / "inproc" / "final.pt"), _state(tmp_path / "flower" / "final.pt")
+    for k in a["weights"]:
+        assert torch.allclose(a["weights"][k].float(), b["weights"][k].float(), atol=1e-6), k
+    rep = json.loads((tmp_path / "flower" / "report.json").read_text())
+    assert sorted(rep["sites"]) == ["east", "north", "south"] and rep["config"]["clients"] == 3
+
+    east = load_dataset(site_cfg(root, site="east"))  # what east's SuperNode decodes: east's rows only
+    full = load_dataset(site_cfg(root))
+    k = full.site_names.index("east")
+    assert east.class_names == full.class_names  # the federation's ten classes, though east has no 9s
+    assert (east.train.sites == k).all() and sorted(east.train.ids) == sorted(full.train.ids[full.train.sites == k])
+    assert np.array_equal(east.train.images, full.train.images[full.train.sites == k])
+    assert site_labels(["b", "d"], ["a", "b", "c", "d"], np.array([0, 1, 1])).tolist() == [1, 3, 3]
+    with pytest.raises(DataError, match="classes z are not among the federation's"):
+        site_labels(["a", "z"], ["a", "b"], np.array([0, 1]))
+    with pytest.raises(DataError, match="has no site 'west'"):
+        load_dataset(site_cfg(root, site="west"))
