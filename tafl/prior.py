@@ -396,7 +396,8 @@ class PriorEstimator:
     def describe(self) -> str:
         if not self.pseudo_count:
             return "EM (maximum likelihood)"
-        return f"EM with a Dirichlet prior of {self.pseudo_count:g} images toward the {self.center} mix"
+        toward = "the uniform mix" if self.center == "uniform" else "the mix the model was trained on"
+        return f"EM with a Dirichlet prior of {self.pseudo_count:g} images toward {toward}"
 
 
 # ------------------------------------------------------------------ confusion-based estimation

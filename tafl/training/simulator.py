@@ -375,12 +375,17 @@ def choose_prior_estimator(method: Method, state: GlobalState, ds: Dataset, cfg:
         module = method.inference_model(state).to(method.device)
         out = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
         probs = calib.probs(method.posterior_logits(out))
-        est = select_prior_smoothing(probs, ds.val.labels, ranks, source, cfg.adapt_size_list(), cfg.adapt_draws,
-                                     cfg.test_seed)
+        if ds.site_names is not None and ds.val.sites is not None:  # real sites: their own validation mixes
+            est = select_prior_smoothing_sites(probs, ds.val.labels, ds.val.sites, source)
+            key = f"{est.center}:{est.pseudo_count:g}"
+        else:
+            est = select_prior_smoothing(probs, ds.val.labels, ranks, source, cfg.adapt_size_list(), cfg.adapt_draws,
+                                         cfg.test_seed)
+            key = f"{est.pseudo_count:g}"
         scores = est.record["scores"]
         log.info("case-mix estimator: %s, chosen on %d validation images (mean adapted accuracy %.1f%% against %.1f%% "
                  "for the maximum-likelihood EM)", est.describe(), len(ds.val.labels),
-                 100 * scores[f"{est.pseudo_count:g}"], 100 * scores.get("0", float("nan")))
+                 100 * scores[key], 100 * scores.get("0", scores.get("uniform:0", float("nan"))))
     return GlobalState(state.weights, state.extras, dict(state.meta, prior_estimator=est.to_dict()))
 
 
@@ -405,6 +410,36 @@ def select_prior_smoothing(probs: np.ndarray, labels: np.ndarray, ranks: np.ndar
         "chosen": "validation", "criterion": f"the mean over n = {', '.join(map(str, sizes))} of the eleven "
         "distributions' prior-weighted accuracy, adapted to the estimate from n images",
         "validation_images": int(len(labels)), "scores": scores})
+
+
+def select_prior_smoothing_sites(probs: np.ndarray, labels: np.ndarray, sites: np.ndarray, source: np.ndarray,
+                                 grid: tuple[float, ...] | None = None, min_rows: int = 20):
+    """With real sites (--client-column), the estimator is chosen for what it will meet: each site's validation
+    rows at that site's own case mix. For each centre (the training mix, the uniform mix) and pseudo-count, the
+    mean over sites of the accuracy on the site's validation rows, adapted to the mix estimated from those same
+    rows (unlabeled). Sites with fewer than `min_rows` validation rows are left out (all, if none has that many).
+    Ties: the training-mix centre, then the smaller pseudo-count. Returns the tafl.prior.PriorEstimator."""
+    from tafl.prior import SMOOTHING_GRID, PriorEstimator, adapt
+
+    grid = SMOOTHING_GRID if grid is None else grid
+    present = [k for k in np.unique(sites) if (sites == k).sum() >= min_rows] or list(np.unique(sites))
+    scores = {}
+    for center in ("source", "uniform"):
+        for a in grid:
+            est = PriorEstimator(float(a), center)
+            acc = []
+            for k in present:
+                idx = np.flatnonzero(sites == k)
+                q = est.estimate(probs[idx], source).prior
+                acc.append(float((adapt(probs[idx], source, q).argmax(1) == labels[idx]).mean()))
+            scores[f"{center}:{a:g}"] = float(np.mean(acc))
+    keys = list(scores)
+    best = keys[int(np.argmax(np.round(np.array(list(scores.values())), 12)))]  # first maximum
+    center, a = best.split(":")
+    return PriorEstimator(float(a), center, {
+        "chosen": "validation", "criterion": "the mean over sites of the accuracy on each site's validation rows, "
+        "adapted to the mix estimated from those rows", "validation_images": int(len(labels)),
+        "sites": int(len(present)), "scores": scores})
 
 
 def _check_compatible(ck: dict[str, Any], prep: Prepared) -> None:
