@@ -346,36 +346,48 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
 
 
 SMOOTHING_GRID = (0.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0)  # pseudo-images, chosen among on validation
-CENTERS = ("uniform", "source")
+CENTERS = ("uniform", "source", "train")
 
 
 @dataclass
 class PriorEstimator:
     """How a deployment's class mix is estimated from its calibrated posteriors: EM, with `pseudo_count` images'
-    worth of a Dirichlet prior of mean `center` (uniform, or the source prior) added to every M-step.
+    worth of a Dirichlet prior of mean `center` added to every M-step. The centre is the uniform mix, the source
+    prior (the mix the posteriors describe), or the training images' class mix (`train`, stored in `center_mix`:
+    it differs from the source prior where the model learned balanced scores, e.g. `local_adjust`).
 
     pseudo_count 0 is the maximum-likelihood estimate of Saerens et al. That estimate runs to the simplex's edge:
     with a few hundred images and posteriors calibrated on a few dozen images of a rare class, EM gives that class
     a prior of ~0, and the Bayes rule then never predicts it. The symmetric Dirichlet (center uniform) keeps every
     class in play and, more than that, shrinks an estimate that is noisy and biased in every class toward the
     centre (a floor alone recovers little: docs/decisions.md §2.6). It fades as images accumulate: at n images the
-    estimate weighs the data's n against the prior's pseudo_count. Training chooses pseudo_count
-    on the validation split (`tafl.training.simulator.choose_prior_estimator`); `record` keeps how.
+    estimate weighs the data's n against the prior's pseudo_count. Training chooses pseudo_count (and, with real
+    sites, the centre) on the validation split (`tafl.training.simulator.choose_prior_estimator`); `record` keeps
+    how.
     """
 
     pseudo_count: float = 0.0
     center: str = "uniform"
     record: dict[str, Any] = field(default_factory=dict)
+    center_mix: tuple[float, ...] | None = None  # center "train": the training mix
 
     def center_prior(self, source: np.ndarray) -> np.ndarray:
         src = np.asarray(source, np.float64)
-        return np.full(len(src), 1.0 / len(src)) if self.center == "uniform" else src / src.sum()
+        if self.center == "uniform":
+            return np.full(len(src), 1.0 / len(src))
+        if self.center == "train":
+            mix = np.asarray(self.center_mix, np.float64)
+            if mix.shape != src.shape:
+                raise ValueError(f"the estimator's training mix has {mix.size} classes, the posteriors {src.size}")
+            return mix
+        return src / src.sum()
 
     def estimate(self, probs: np.ndarray, source: np.ndarray, **kw: Any) -> PriorEstimate:
         return em_prior(probs, source, pseudo_count=self.pseudo_count, center=self.center_prior(source), **kw)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "em", "pseudo_count": float(self.pseudo_count), "center": self.center, **self.record}
+        mix = {"center_mix": [float(v) for v in self.center_mix]} if self.center == "train" else {}
+        return {"kind": "em", "pseudo_count": float(self.pseudo_count), "center": self.center, **mix, **self.record}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> PriorEstimator:
@@ -391,12 +403,24 @@ class PriorEstimator:
             raise ConfigError(f"prior estimator pseudo_count must be a finite number >= 0, got {a}")
         if center not in CENTERS:
             raise ConfigError(f"prior estimator center must be one of {', '.join(CENTERS)}, got {center!r}")
-        return cls(a, center, {k: v for k, v in d.items() if k not in ("kind", "pseudo_count", "center")})
+        mix = None
+        if center == "train":
+            try:
+                mix = np.asarray(d.get("center_mix"), np.float64)
+            except (TypeError, ValueError):
+                mix = np.zeros(0)
+            if mix.ndim != 1 or mix.size < 2 or not np.isfinite(mix).all() or (mix < 0).any() or mix.sum() <= 0:
+                raise ConfigError("prior estimator center 'train' needs center_mix: the training class shares, "
+                                  f"got {d.get('center_mix')!r}")
+            mix = tuple(float(v) for v in mix / mix.sum())
+        return cls(a, center, {k: v for k, v in d.items() if k not in ("kind", "pseudo_count", "center", "center_mix")},
+                   mix)
 
     def describe(self) -> str:
         if not self.pseudo_count:
             return "EM (maximum likelihood)"
-        toward = "the uniform mix" if self.center == "uniform" else "the mix the model was trained on"
+        toward = {"uniform": "the uniform mix", "source": "the mix the model's probabilities assume",
+                  "train": "the training images' mix"}[self.center]
         return f"EM with a Dirichlet prior of {self.pseudo_count:g} images toward {toward}"
 
 

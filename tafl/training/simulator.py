@@ -376,7 +376,9 @@ def choose_prior_estimator(method: Method, state: GlobalState, ds: Dataset, cfg:
         out = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
         probs = calib.probs(method.posterior_logits(out))
         if ds.site_names is not None and ds.val.sites is not None:  # real sites: their own validation mixes
-            est = select_prior_smoothing_sites(probs, ds.val.labels, ds.val.sites, source)
+            counts = state.extras["global_counts"].numpy().astype(np.float64)
+            est = select_prior_smoothing_sites(probs, ds.val.labels, ds.val.sites, source,
+                                               train_mix=counts / counts.sum() if counts.sum() > 0 else None)
             key = f"{est.center}:{est.pseudo_count:g}"
         else:
             est = select_prior_smoothing(probs, ds.val.labels, ranks, source, cfg.adapt_size_list(), cfg.adapt_draws,
@@ -413,20 +415,25 @@ def select_prior_smoothing(probs: np.ndarray, labels: np.ndarray, ranks: np.ndar
 
 
 def select_prior_smoothing_sites(probs: np.ndarray, labels: np.ndarray, sites: np.ndarray, source: np.ndarray,
-                                 grid: tuple[float, ...] | None = None, min_rows: int = 20):
+                                 grid: tuple[float, ...] | None = None, min_rows: int = 20,
+                                 train_mix: np.ndarray | None = None):
     """With real sites (--client-column), the estimator is chosen for what it will meet: each site's validation
-    rows at that site's own case mix. For each centre (the training mix, the uniform mix) and pseudo-count, the
-    mean over sites of the accuracy on the site's validation rows, adapted to the mix estimated from those same
-    rows (unlabeled). Sites with fewer than `min_rows` validation rows are left out (all, if none has that many).
-    Ties: the training-mix centre, then the smaller pseudo-count. Returns the tafl.prior.PriorEstimator."""
+    rows at that site's own case mix. For each centre (the training images' mix `train_mix`, where it differs from
+    the source prior; the source prior; the uniform mix) and pseudo-count, the mean over sites of the accuracy on
+    the site's validation rows, adapted to the mix estimated from those same rows (unlabeled). Sites with fewer
+    than `min_rows` validation rows are left out (all, if none has that many). Ties: the first centre in that
+    order, then the smaller pseudo-count. Returns the tafl.prior.PriorEstimator."""
     from tafl.prior import SMOOTHING_GRID, PriorEstimator, adapt
 
     grid = SMOOTHING_GRID if grid is None else grid
     present = [k for k in np.unique(sites) if (sites == k).sum() >= min_rows] or list(np.unique(sites))
+    src = np.asarray(source, np.float64) / np.sum(source)
+    mix = None if train_mix is None else tuple(float(v) for v in np.asarray(train_mix, np.float64) / np.sum(train_mix))
+    centers = (["train"] if mix is not None and np.abs(np.array(mix) - src).max() > 1e-6 else []) + ["source", "uniform"]
     scores = {}
-    for center in ("source", "uniform"):
+    for center in centers:
         for a in grid:
-            est = PriorEstimator(float(a), center)
+            est = PriorEstimator(float(a), center, center_mix=mix if center == "train" else None)
             acc = []
             for k in present:
                 idx = np.flatnonzero(sites == k)
@@ -436,7 +443,7 @@ def select_prior_smoothing_sites(probs: np.ndarray, labels: np.ndarray, sites: n
     keys = list(scores)
     best = keys[int(np.argmax(np.round(np.array(list(scores.values())), 12)))]  # first maximum
     center, a = best.split(":")
-    return PriorEstimator(float(a), center, {
+    return PriorEstimator(float(a), center, center_mix=mix if center == "train" else None, record={
         "chosen": "validation", "criterion": "the mean over sites of the accuracy on each site's validation rows, "
         "adapted to the mix estimated from those rows", "validation_images": int(len(labels)),
         "sites": int(len(present)), "scores": scores})

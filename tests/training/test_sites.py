@@ -221,4 +221,16 @@ def test_with_sites_the_estimator_is_chosen_on_each_sites_own_validation_mix():
     assert est.record["sites"] == 2 and est.record["criterion"].startswith("the mean over sites")
     s = est.record["scores"]
     assert s[f"source:{est.pseudo_count:g}"] >= max(s.values()) - 1e-12 and s["source:1600"] > s["uniform:1600"]
-    assert "toward the mix the model was trained on" in est.describe()
+    assert "toward the mix the model's probabilities assume" in est.describe()
+
+    # a model with balanced scores (local_adjust: its probabilities assume the uniform mix) at the same sites: the
+    # training images' mix is a centre of its own, and the one that wins; the package keeps the mix it shrinks to
+    balanced = probs / source
+    balanced /= balanced.sum(1, keepdims=True)
+    est = select_prior_smoothing_sites(balanced, labels, sites, np.full(3, 1 / 3), train_mix=source * 10)
+    assert est.center == "train" and est.center_mix == pytest.approx(tuple(source))
+    back = PriorEstimator.from_dict(est.to_dict())
+    assert back.center_mix == pytest.approx(tuple(source)) and "toward the training images' mix" in back.describe()
+    assert back.estimate(balanced[:5], np.full(3, 1 / 3)).prior.argmax() == 0  # five images barely move it
+    with pytest.raises(ConfigError, match="center 'train' needs center_mix"):
+        PriorEstimator.from_dict({"pseudo_count": 10, "center": "train"})
