@@ -28,6 +28,9 @@ def ms(xs: list[float]) -> str:
     return f"{xs[0]:.1f}" if len(xs) == 1 else f"{statistics.mean(xs):.1f} ± {statistics.stdev(xs):.1f}"
 
 
+VARYING = ("seed", "data_root", "threads")  # what a reproduction may set differently
+
+
 def _est(r: dict) -> dict:
     """The run's case-mix estimator record (report.json prior_adaptation.estimator)."""
     return (r.get("prior_adaptation") or {}).get("estimator") or {}
@@ -37,13 +40,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--baseline", default="fedavg_la")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
+    p.add_argument("--recommend", help="the row configs/sites_ham10000.yaml stands for: its runs' config is written "
+                                       "to benchmarks/results/sites_recommended.json (tests check the file against it)")
     args = p.parse_args()
     rows: dict[str, dict[int, dict]] = {}
     for f in sorted(Path(args.out).glob("sites_*_s*/report.json")):
         m = re.match(r"sites_(.+)_s(\d+)$", f.parent.name)
         if m:
             rows.setdefault(m.group(1), {})[int(m.group(2))] = json.loads(f.read_text())
-    est = {"source": "training mix", "uniform": "uniform mix"}
+    est = {"source": "source prior", "uniform": "uniform mix", "train": "training mix"}
     metrics = {
         "val_balanced": lambda r: r["validation"]["balanced_accuracy"],
         "val_site_adapted": lambda r: max(_est(r).get("scores", {}).values(), default=None),
@@ -109,6 +114,13 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     res = REPO / "benchmarks" / "results"
     res.mkdir(parents=True, exist_ok=True)
+    if args.recommend:
+        runs = rows[args.recommend]
+        cfgs = [{k: v for k, v in r["config"].items() if k not in VARYING} for r in runs.values()]
+        if any(c != cfgs[0] for c in cfgs):
+            raise SystemExit(f"the {args.recommend} runs differ in more than {VARYING}")
+        (res / "sites_recommended.json").write_text(json.dumps({"row": args.recommend, "seeds": sorted(runs),
+                                                                 "config": cfgs[0]}, indent=2, sort_keys=True))
     (res / "sites_summary.json").write_text(json.dumps(table, indent=2))
     (res / "sites_summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

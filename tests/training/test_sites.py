@@ -234,3 +234,19 @@ def test_with_sites_the_estimator_is_chosen_on_each_sites_own_validation_mix():
     assert back.estimate(balanced[:5], np.full(3, 1 / 3)).prior.argmax() == 0  # five images barely move it
     with pytest.raises(ConfigError, match="center 'train' needs center_mix"):
         PriorEstimator.from_dict({"pseudo_count": 10, "center": "train"})
+
+
+def test_the_recommended_config_file_is_the_configuration_its_table_row_ran():
+    """configs/sites_ham10000.yaml is the row the docs recommend (benchmarks/sites_summary.py --recommend writes
+    that row's run config): `tafl train --config` with it and a seed trains what the table measured."""
+    import json
+
+    from tests.conftest import REPO
+
+    rec = json.loads((REPO / "benchmarks" / "results" / "sites_recommended.json").read_text())
+    ran = rec["config"]
+    cfg = load_config(CONFIGS / "sites_ham10000.yaml", {"data_root": "../shared/data/ham10000"}).to_dict()
+    assert ran["clients"] == 4  # one client per hospital, from the CSV
+    differ = {k: (cfg.get(k), v) for k, v in ran.items() if k not in ("clients", "seed", "threads") and cfg.get(k) != v}
+    assert not differ, differ
+    assert len(rec["seeds"]) == 3
