@@ -105,7 +105,7 @@ def _client(content, context) -> tuple[Any, ClientData]:
         local.update({k.replace("-", "_"): v for k, v in node_cfg.items() if k.replace("-", "_") in DATA_KEYS},
                      "node config")
         local.img_size, local.channels, local.imbalance_factor = pre.size, pre.channels, None
-        local.client_column = local.split_column = local.site = None
+        local.client_column = local.site = None  # a deployed site is one client: its CSV holds its own rows
         ds = load_dataset(local.validate())
         labels = site_labels(ds.class_names, class_names, ds.train.labels)
         cid = int(node_cfg.get("client-id", context.node_id % (2**31)))
