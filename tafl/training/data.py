@@ -87,7 +87,7 @@ def load_dataset(cfg: RunConfig) -> Dataset:
         if len(split) == 0:
             raise DataError(f"dataset '{cfg.dataset}': the {key} split is empty")
     train = splits["train"]
-    for key, split in ({} if checked is not splits else splits).items():
+    for key, split in (splits if not cfg.site else {}).items():  # every class in every split, for a whole CSV
         counts = np.bincount(split.labels, minlength=len(class_names))
         empty = [class_names[c] for c in np.flatnonzero(counts == 0)]
         if empty:
