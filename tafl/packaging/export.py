@@ -406,7 +406,11 @@ def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: boo
     if metrics is None:
         out.append("No evaluation report was found beside the checkpoint; metrics are not recorded.")
     dec = (ck["state"].get("meta") or {}).get("decision")
-    if dec and dec.get("tau"):
+    if dec and dec.get("tau") and dec.get("kind") == "expert_shift":
+        out.append(f"Every expert's scores were moved by the same −τ·log(training mix), τ {dec['tau']:.1f} chosen on "
+                   "validation for the vote's balanced F1: the experts keep their forward/uniform/backward order, "
+                   "and their probabilities carry the move.")
+    elif dec and dec.get("tau"):
         out.append(f"The label is decided at an operating point chosen on validation (logit adjustment, τ "
                    f"{dec['tau']:.1f}): rarer classes are called more often than the argmax of the probabilities "
                    "would, trading their precision for recall. The probabilities are the model's own.")
@@ -565,6 +569,11 @@ def _decision_spec(ck: dict[str, Any]) -> dict[str, Any]:
     rec = (ck["state"].get("meta") or {}).get("decision")
     if not rec:
         return {"rule": "argmax of the logits"}
+    if rec.get("kind") == "expert_shift":  # GTAFL/CReFF: the move is inside the experts' biases, not in the graph
+        return {"rule": "the experts' vote; every expert's bias was moved by offset = −τ·log(training mix), centred, "
+                        "before export (the experts' probabilities carry it)",
+                "tau": rec["tau"], "offset": rec["offset"], "criterion": rec["criterion"],
+                "validation_images": rec.get("validation_images"), "validation_scores": rec.get("scores")}
     return {"rule": "argmax(logits + offset), offset = −τ·log π, centred, π the class mix the posteriors describe (the training mix; DAFL: the loss-weighted mix); the probabilities "
                     "carry no offset, and a non-zero log_prior_ratio decides by the Bayes rule instead",
             "tau": rec["tau"], "offset": rec["offset"], "criterion": rec["criterion"],

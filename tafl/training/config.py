@@ -39,6 +39,7 @@ FIXED_CHOICES: dict[str, tuple[str, ...]] = {
     "bank_init": ("normal", "stats"),
     "bank_anchor": ("recentre", "standardise", "penalty", "redraw", "none"),
     "match_head": ("own", "uniform"),
+    "expert_form": ("shifted", "trained"),
     "vote": ("hard", "soft", "confidence", "learned"),
     "simclr_pool": ("val", "test", "train"),
     "calibration": CALIBRATIONS,
@@ -160,6 +161,11 @@ class RunConfig:
     # the head that client gradients and GFF matching are computed at: each expert's own (docs/design.md §4),
     # or the uniform expert's for every bank (a diagnostic for the experts' inverted specialisation)
     match_head: str = "own"
+    # how the experts are built from their banks: shifted = one class-balanced head learned from every bank with the
+    # logit-adjusted loss, each expert that head plus log(its bank's class shares), so forward leans to the head
+    # classes and backward to the tail by construction | trained = each expert its own head trained by plain CE on
+    # its bank (the paper's; its lean then depends on how separable the banks are: docs/decisions.md §5.5)
+    expert_form: str = "shifted"
     # how the experts combine: hard (uniform expert breaks ties) | soft | confidence | learned (soft with per-expert
     # weights learned on the server from the GFF banks over the eleven test priors)
     vote: str = "hard"
@@ -187,7 +193,8 @@ class RunConfig:
     calib_source: str = "experts"
     # the plain decision's operating point: argmax | validation (label = argmax(z − τ·log π), τ chosen on the
     # validation split by its uniform-prior macro F1: post-hoc logit adjustment, tafl.training.decision; the
-    # probabilities are unchanged). Single-head methods only (fedavg, fedprox, creff, dafl)
+    # probabilities are unchanged). GTAFL and CReFF: every expert's bias moves by the same −τ·log π, τ from −1 to 1
+    # chosen by the vote's validation macro F1 (the experts' probabilities carry the move; docs/decisions.md §5.5)
     decision: str = "argmax"
     adapt_sizes: str = "100,500"  # unlabeled images per prior estimate in the evaluation, comma-separated
     adapt_draws: int = 5  # draws of unlabeled images per distribution and size in the evaluation
@@ -337,8 +344,6 @@ class RunConfig:
             raise bad("calib_holdout", f"calibration '{self.calibration}' needs held-out client rows (e.g. 0.1)")
         if self.calib_rounds < 1 or self.adapt_draws < 1:
             raise bad("calib_rounds", "calib_rounds and adapt_draws must be >= 1")
-        if self.decision != "argmax" and self.method == "gtafl":
-            raise bad("decision", "an operating point is for single-head models; GTAFL decides by its experts' vote")
         try:
             sizes = self.adapt_size_list()
         except ValueError:

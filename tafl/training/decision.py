@@ -21,6 +21,9 @@ import numpy as np
 
 KINDS = ("argmax", "validation")
 GRID = tuple(round(0.1 * i, 1) for i in range(11))  # τ from 0 (argmax) to 1 (balanced)
+# τ from −1 to 1, nearest 0 first (ties keep the smaller move): for the experts' vote, whose posteriors already aim
+# at the uniform prior and may lean either way on real features
+SIGNED_GRID = (0.0,) + tuple(v for i in range(1, 11) for v in (round(-0.1 * i, 1), round(0.1 * i, 1)))
 
 
 def offset_for(tau: float, train_prior: np.ndarray, floor: float = 1e-6) -> np.ndarray:

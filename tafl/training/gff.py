@@ -300,13 +300,38 @@ def _match(banks, W, b, gW_real, gb_real, have, steps, lr, penalty=None) -> list
 
 
 def retrain(banks: GFFBanks, W: torch.Tensor, b: torch.Tensor, epochs: int, lr: float, batch: int,
-            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Mini-batch SGD of all experts on their banks at once; returns new (W, b) and the last loss."""
+            gen: torch.Generator, adjust: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Mini-batch SGD of all experts on their banks at once; returns new (W, b) and the last loss.
+
+    adjust (E, C): added to expert e's logits inside the loss only: with log(bank e's class shares) this is the
+    logit-adjusted loss (Menon et al. 2021), whose minimiser W·f + b scores classes as under a uniform prior
+    whatever the bank's mix (`balanced_experts`)."""
     with single_thread():
-        return _retrain(banks, W, b, epochs, lr, batch, gen)
+        return _retrain(banks, W, b, epochs, lr, batch, gen, adjust)
 
 
-def _retrain(banks, W, b, epochs, lr, batch, gen):
+def bank_log_mix(banks: GFFBanks) -> torch.Tensor:
+    """(E, C) log of each bank's class shares, centred per expert (softmax and argmax ignore a constant)."""
+    q = banks.counts.double()
+    lq = torch.log(q / q.sum(1, keepdim=True))
+    return (lq - lq.mean(1, keepdim=True)).float()
+
+
+def balanced_experts(banks: GFFBanks, W: torch.Tensor, b: torch.Tensor, epochs: int, lr: float, batch: int,
+                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Experts that specialise by construction (`expert_form: shifted`, docs/decisions.md §5.5).
+
+    Each bank trains a head on the logit-adjusted loss, so each estimates the same class-balanced scorer; their
+    mean is the shared head, and expert e is that head plus log(bank e's class shares): the forward expert's
+    decisions lean to the head classes and the backward expert's to the tail, in its bank's proportions, on any
+    features. W, b come in and go out in that shifted form (the shift is taken off before training)."""
+    shift = bank_log_mix(banks)
+    W, b, loss = retrain(banks, W, b - shift, epochs, lr, batch, gen, adjust=shift)
+    W_bar, b_bar = W.mean(0, keepdim=True), b.mean(0, keepdim=True)
+    return W_bar.expand_as(W).clone(), b_bar + shift, loss
+
+
+def _retrain(banks, W, b, epochs, lr, batch, gen, adjust=None):
     E, C, M, D = banks.features.shape
     flat = banks.features.reshape(E, C * M, D)
     labels = torch.arange(C).repeat_interleave(M)  # (C·M,)
@@ -326,7 +351,10 @@ def _retrain(banks, W, b, epochs, lr, batch, gen):
             idx = order[:, s * batch:(s + 1) * batch]  # (E, B)
             x = flat[eidx, idx]  # (E, B, D)
             y = labels[idx]  # (E, B)
-            probs = torch.softmax(torch.baddbmm(b[:, None, :], x, W.transpose(1, 2)), dim=-1)  # (E, B, C)
+            logits = torch.baddbmm(b[:, None, :], x, W.transpose(1, 2))  # (E, B, C)
+            if adjust is not None:
+                logits = logits + adjust[:, None, :]
+            probs = torch.softmax(logits, dim=-1)
             resid = probs.scatter_add(-1, y[..., None], -torch.ones_like(y, dtype=probs.dtype)[..., None])
             n = idx.shape[1]
             W -= lr * torch.bmm(resid.transpose(1, 2), x) / n

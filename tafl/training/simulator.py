@@ -318,6 +318,8 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
     finish_cfg = method.finish_config(kept)
     if finish_cfg is not None and not kept.meta.get("finished"):
         kept = _finish(method, kept, transport, finish_cfg, cfg, book)
+    if cfg.decision == "validation" and "decision" not in kept.meta:  # before calibration: GTAFL's moves its experts
+        kept = choose_operating_point(method, kept, ds, cfg)
     if cfg.calibration != "none" and "calibration" not in kept.meta:
         kept = _calibrate(method, kept, transport, cfg, book)
     if "calibration" not in kept.meta:  # uncalibrated: record the prior its posteriors describe, for the package
@@ -325,8 +327,6 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
 
         identity = Calibration(source_prior=np.asarray(method.default_source_prior(kept), np.float64))
         kept = GlobalState(kept.weights, kept.extras, dict(kept.meta, calibration=identity.to_dict()))
-    if cfg.decision == "validation" and "decision" not in kept.meta:
-        kept = choose_operating_point(method, kept, ds, cfg)
     if "prior_estimator" not in kept.meta:
         kept = choose_prior_estimator(method, kept, ds, cfg, np.asarray(common["class_ranks"]))
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
@@ -344,16 +344,13 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
 def choose_operating_point(method: Method, state: GlobalState, ds: Dataset, cfg: RunConfig) -> GlobalState:
     """The plain decision's τ (tafl.training.decision) on the validation split, recorded in the state's meta:
     the report, `tafl eval` and the package all decide with it."""
-    from tafl.training.decision import select_operating_point
-
-    module = method.inference_model(state).to(method.device)
-    out = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=("logits",))
-    rec = select_operating_point(out["logits"], ds.val.labels, method.default_source_prior(state))
+    state = method.choose_operating_point(state, ds.val.images, ds.val.labels, cfg.eval_batch_size)
+    rec = state.meta["decision"]
     base = rec["scores"]["0.0"]
     log.info("operating point: tau %.1f on %d validation images (uniform-prior macro F1 %.1f%% against %.1f%% "
              "at the argmax)", rec["tau"], rec["validation_images"], 100 * rec["scores"][f"{rec['tau']:.1f}"],
              100 * base)
-    return GlobalState(state.weights, state.extras, dict(state.meta, decision=rec))
+    return state
 
 
 def choose_prior_estimator(method: Method, state: GlobalState, ds: Dataset, cfg: RunConfig,

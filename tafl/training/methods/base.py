@@ -183,6 +183,18 @@ class Method:
 
     output_keys: tuple[str, ...] = ("probs", "label")  # what evaluation collects from the inference model
 
+    def choose_operating_point(self, state: GlobalState, images: np.ndarray, labels: np.ndarray,
+                               batch_size: int) -> GlobalState:
+        """The plain decision's τ (tafl.training.decision) on the validation split, recorded in the state's meta:
+        the report, `tafl eval` and the package all decide with it."""
+        from tafl.training.decision import select_operating_point
+        from tafl.training.evaluate import predict
+
+        module = self.inference_model(state).to(self.device)
+        out = predict(module, images, self.normalize, batch_size, keys=("logits",))
+        rec = select_operating_point(out["logits"], labels, self.default_source_prior(state))
+        return GlobalState(state.weights, state.extras, dict(state.meta, decision=rec))
+
     def attach_server_pool(self, images_u8: torch.Tensor | None) -> None:
         """Unlabeled server-side images (GTAFL's SimCLR); other methods ignore them."""
 

@@ -305,7 +305,11 @@ class GTAFL(Method):
         t0 = time.perf_counter()
         if self.cfg.expert_init == "fresh":
             W, b = gff.init_heads(E, C, D, gen)
-        W, b, ce = gff.retrain(banks, W, b, self.retrain_epochs, self.cfg.retrain_lr, self.cfg.retrain_batch, gen)
+        if self.cfg.expert_form == "shifted" and E > 1:
+            W, b, ce = gff.balanced_experts(banks, W, b, self.retrain_epochs, self.cfg.retrain_lr,
+                                            self.cfg.retrain_batch, gen)
+        else:
+            W, b, ce = gff.retrain(banks, W, b, self.retrain_epochs, self.cfg.retrain_lr, self.cfg.retrain_batch, gen)
         timing["retrain_s"] = time.perf_counter() - t0
         if E > 1:  # the `learned` rule's weights, from the banks in the frame they live in
             meta["vote_weights"] = [round(float(v), 4) for v in self._learn_vote_weights(banks, W, b, global_counts)]
@@ -410,6 +414,41 @@ class GTAFL(Method):
             return super().default_source_prior(state)
         C = self.model_cfg.num_classes
         return np.full(C, 1.0 / C)
+
+    def choose_operating_point(self, state: GlobalState, images: np.ndarray, labels: np.ndarray,
+                               batch_size: int) -> GlobalState:
+        """The experts' common move, chosen on validation: every expert's bias + offset(τ) = −τ·log(training mix),
+        τ in [−1, 1] maximising the vote's uniform-prior macro F1 (tafl.training.decision). The move goes into the
+        experts' biases, so the vote, the exported graph and the experts' probabilities all carry it; the experts
+        keep their order (the same move for all). Their posteriors still aim at the uniform prior the move was
+        chosen for, so calibration (fitted after this) and the source prior are unchanged in kind."""
+        if not self.cr:
+            return super().choose_operating_point(state, images, labels, batch_size)
+        from tafl.training.decision import SIGNED_GRID, offset_for, uniform_macro_f1
+        from tafl.training.evaluate import predict
+
+        module = self.inference_model(state).to(self.device)
+        out = predict(module, images, self.normalize, batch_size, keys=("expert_probs",))
+        logp = torch.log(torch.as_tensor(np.asarray(out["expert_probs"]), dtype=torch.float64).clamp_min(1e-12))
+        counts = state.extras["global_counts"].numpy().astype(np.float64)
+        train_mix = counts / counts.sum() if counts.sum() > 0 else np.full(len(counts), 1.0 / len(counts))
+        y = np.asarray(labels, np.int64)
+        C = logp.shape[-1]
+        scores = []
+        with torch.no_grad():
+            for tau in SIGNED_GRID:
+                moved = torch.softmax(logp + torch.as_tensor(offset_for(tau, train_mix)), dim=-1).float()
+                scores.append(uniform_macro_f1(module.vote_from(moved)["label"].cpu().numpy(), y, C))
+        best = int(np.argmax(np.round(scores, 12)))  # the first maximum: the smallest move among ties
+        tau = float(SIGNED_GRID[best])
+        offset = offset_for(tau, train_mix)
+        rec = {"kind": "expert_shift", "tau": tau, "offset": [float(v) for v in offset],
+               "train_prior": [float(v) for v in train_mix],
+               "criterion": "the experts' vote's macro F1 under a uniform class prior",
+               "validation_images": int(len(y)), "scores": {f"{t:.1f}": float(v) for t, v in zip(SIGNED_GRID, scores)}}
+        extras = dict(state.extras)
+        extras["expert.bias"] = (state.extras["expert.bias"] + torch.as_tensor(offset, dtype=torch.float32)).clone()
+        return GlobalState(state.weights, extras, dict(state.meta, decision=rec))
 
     # ------------------------------------------------------------ inference and report
     def inference_model(self, state: GlobalState) -> nn.Module:
