@@ -7,7 +7,8 @@
 # sampling draw; the sites and the test fold are the data's own.
 # Usage: benchmarks/sites_ham10000.sh [DATA_ROOT] [ROW ...]
 #   ROW: gtafl_cal (the config file as it stands, the recommendation: GTAFL + federated vector calibration)
-#        | fedavg_la (FedAvg + logit adjustment, tau on validation: the baseline) | fedavg (plain argmax)
+#        | gtafl_trained (each expert its own CE head: the experts as first measured) | gtafl_vote_la (shifted
+#        experts, the vote's common move chosen on validation) | fedavg_la (FedAvg + logit adjustment, tau on validation: the baseline) | fedavg (plain argmax)
 #        | fedprox_la | creff_la | local_la (each site trains with its own logit adjustment) | pooled (one
 #        model on every site's training rows: the centralised ceiling)
 set -euo pipefail
@@ -28,6 +29,8 @@ for r in $rows; do
     creff_la)   args=(--method creff "${single[@]}") ;;
     local_la)   args=(--method fedavg "${single[@]}" --local_adjust 1.0) ;;
     gtafl_cal)  args=() ;;  # the config file as it stands: the recommended row
+    gtafl_trained) args=(--expert_form trained --decision argmax) ;;  # the experts as first built (issue 33's runs)
+    gtafl_vote_la) args=(--expert_form shifted --decision validation) ;;  # shifted experts, vote moved on validation
     pooled)     args=(--method fedavg "${single[@]}" --centralised true) ;;
     *) echo "unknown row $r" >&2; exit 2 ;;
   esac
