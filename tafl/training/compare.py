@@ -50,6 +50,8 @@ def run_label(rep: dict[str, Any]) -> str:
     if rep["method"] == "gtafl" and (cfg.get("gff_centre") is False or cfg.get("bank_init") == "stats"):
         label += " [" + ", ".join(([] if cfg.get("gff_centre") is not False else ["raw frame"])
                                   + ([] if cfg.get("bank_init") != "stats" else ["stats banks"])) + "]"
+    if rep["method"] == "gtafl" and cfg.get("en", True) and cfg.get("expert_form") != "shifted":
+        label += " [trained experts]"  # each expert its own CE head: every run before expert_form existed
     if rep.get("simclr_pool", "") and "transductive" in str(rep.get("simclr_pool")):
         label += " (transductive SimCLR)"
     if rep["method"] == "dafl":

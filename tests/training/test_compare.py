@@ -15,6 +15,8 @@ from tafl.training.longtail import DISTRIBUTION_NAMES
 def _report(method: str, seed: int, base: float, **cfg) -> dict:
     dists = {n: {"accuracy": base + 0.01 * i, "sampled_accuracy": base, "head": base, "middle": base, "tail": base,
                  "n": 10} for i, n in enumerate(DISTRIBUTION_NAMES)}
+    if method == "gtafl":
+        cfg = {"expert_form": "shifted", **cfg}  # a run of today's default
     return {"method": method, "dataset": "dermamnist", "config": {"seed": seed, **cfg}, "test_distributions": dists,
             "uniform_metrics": {"macro_f1": base, "precision": base, "recall": base, "specificity": base, "auc": None},
             "timing": {"client_s": 100.0 * seed, "server_s": 10.0}, "communication": {"uplink_bytes": 1e6,
@@ -52,6 +54,10 @@ def test_labels_separate_ablation_rows_and_the_plot_is_written(tmp_path):
     nocl = _report("gtafl", 1, 0.4)
     nocl["switches"]["cl"] = False
     assert run_label(nocl) == "gtafl −CL"
+    old = _report("gtafl", 1, 0.4)
+    del old["config"]["expert_form"]  # a run from before expert_form: each expert its own CE head
+    assert run_label(old) == "gtafl [trained experts]"
+    assert run_label(_report("gtafl", 1, 0.4, expert_form="trained")) == "gtafl [trained experts]"
     paths = [_write(tmp_path, n, r) for n, r in (("a", base), ("b", stats), ("c", nocl))]
     md, png = tmp_path / "cmp.md", tmp_path / "cmp.png"
     text = write_comparison(paths, md, png)
