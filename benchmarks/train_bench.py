@@ -32,13 +32,15 @@ from tafl.training.simulator import train  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--method", default="fedavg")
+    p.add_argument("--method", default=None, help="overrides the config's method (default: the config's)")
     p.add_argument("--config", default=str(REPO / "configs" / "benchmark.yaml"))
     p.add_argument("--data-root", default=str(REPO.parent / "shared" / "data" / "medmnist"))
     p.add_argument("--name", default=None)
     p.add_argument("--out", default=None, help="run folder (default benchmarks/out/<name>)")
     args, extra = p.parse_known_args()
-    overrides = {"method": args.method, "data_root": args.data_root}
+    overrides = {"data_root": args.data_root}
+    if args.method:
+        overrides["method"] = args.method
     for key, value in zip(extra[::2], extra[1::2]):
         overrides[key.lstrip("-").replace("-", "_")] = _parse(value)
     cfg = load_config(args.config, overrides)
