@@ -430,8 +430,7 @@ class GTAFL(Method):
         module = self.inference_model(state).to(self.device)
         out = predict(module, images, self.normalize, batch_size, keys=("expert_probs",))
         logp = torch.log(torch.as_tensor(np.asarray(out["expert_probs"]), dtype=torch.float64).clamp_min(1e-12))
-        counts = state.extras["global_counts"].numpy().astype(np.float64)
-        train_mix = counts / counts.sum() if counts.sum() > 0 else np.full(len(counts), 1.0 / len(counts))
+        train_mix = Method.default_source_prior(self, state)  # the training mix (GTAFL's own says uniform)
         y = np.asarray(labels, np.int64)
         C = logp.shape[-1]
         scores = []
