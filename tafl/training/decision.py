@@ -15,6 +15,7 @@ decides by the Bayes rule, without this offset). docs/decisions.md §3.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,24 +47,33 @@ def uniform_macro_f1(preds: np.ndarray, labels: np.ndarray, num_classes: int) ->
     return float(f1[present].mean()) if len(present) else 0.0
 
 
+def search_operating_point(decide: Callable[[np.ndarray], np.ndarray], labels: np.ndarray, train_prior: np.ndarray,
+                           num_classes: int, grid: tuple[float, ...] = GRID, kind: str = "logit_adjustment",
+                           criterion: str = "the macro F1 under a uniform class prior") -> dict[str, Any]:
+    """The grid search every operating point shares: `decide(offset)` gives the validation labels the rule makes
+    with the (C,) offset −τ·log π added; τ maximises their uniform-prior macro F1, the first maximum winning (the
+    grid lists the smaller move first, so ties keep the decision nearer the model's own). Returns the record a
+    checkpoint, a report and a package carry: kind, tau, offset, the criterion and every τ's score."""
+    y = np.asarray(labels, np.int64)
+    if y.ndim != 1 or len(y) == 0:
+        raise ValueError(f"need N > 0 validation labels, got shape {y.shape}")
+    scores = [uniform_macro_f1(np.asarray(decide(offset_for(t, train_prior))), y, num_classes) for t in grid]
+    tau = float(grid[int(np.argmax(np.round(scores, 12)))])
+    return {"kind": kind, "tau": tau, "offset": [float(v) for v in offset_for(tau, train_prior)],
+            "train_prior": [float(v) for v in np.asarray(train_prior, np.float64)],
+            "criterion": criterion, "validation_images": int(len(y)),
+            "scores": {f"{t:.1f}": float(s) for t, s in zip(grid, scores)}}
+
+
 def select_operating_point(logits: np.ndarray, labels: np.ndarray, train_prior: np.ndarray,
                            grid: tuple[float, ...] = GRID) -> dict[str, Any]:
-    """τ maximising the validation split's uniform-prior macro F1 (ties: the smaller τ, nearer the argmax).
+    """τ maximising the validation split's uniform-prior macro F1 for a single head's argmax(z + offset(τ)).
 
-    logits (N, C) of the validation split (log-probabilities do as well), labels (N,). Returns the record a
-    checkpoint, a report and a package carry: kind, tau, offset, the criterion and every τ's score."""
+    logits (N, C) of the validation split (log-probabilities do as well), labels (N,)."""
     z = np.asarray(logits, np.float64)
-    y = np.asarray(labels, np.int64)
-    if z.ndim != 2 or len(z) != len(y) or len(y) == 0:
-        raise ValueError(f"need (N, C) validation logits and N labels, got {z.shape} and {y.shape}")
-    C = z.shape[1]
-    scores = [uniform_macro_f1((z + offset_for(t, train_prior)).argmax(1), y, C) for t in grid]
-    best = int(np.argmax(np.round(scores, 12)))  # first maximum: the smallest τ among ties
-    tau = float(grid[best])
-    return {"kind": "logit_adjustment", "tau": tau, "offset": [float(v) for v in offset_for(tau, train_prior)],
-            "train_prior": [float(v) for v in np.asarray(train_prior, np.float64)],
-            "criterion": "the macro F1 under a uniform class prior", "validation_images": int(len(y)),
-            "scores": {f"{t:.1f}": float(s) for t, s in zip(grid, scores)}}
+    if z.ndim != 2 or len(z) != len(np.asarray(labels)) or len(z) == 0:
+        raise ValueError(f"need (N, C) validation logits and N labels, got {z.shape} and {np.shape(labels)}")
+    return search_operating_point(lambda o: (z + o).argmax(1), labels, train_prior, z.shape[1], grid)
 
 
 def check_record(rec: Any, num_classes: int) -> np.ndarray | None:

@@ -424,27 +424,22 @@ class GTAFL(Method):
         chosen for, so calibration (fitted after this) and the source prior are unchanged in kind."""
         if not self.cr:
             return super().choose_operating_point(state, images, labels, batch_size)
-        from tafl.training.decision import SIGNED_GRID, offset_for, uniform_macro_f1
+        from tafl.training.decision import SIGNED_GRID, search_operating_point
         from tafl.training.evaluate import predict
 
         module = self.inference_model(state).to(self.device)
         out = predict(module, images, self.normalize, batch_size, keys=("expert_probs",))
         logp = torch.log(torch.as_tensor(np.asarray(out["expert_probs"]), dtype=torch.float64).clamp_min(1e-12))
         train_mix = Method.default_source_prior(self, state)  # the training mix (GTAFL's own says uniform)
-        y = np.asarray(labels, np.int64)
-        C = logp.shape[-1]
-        scores = []
-        with torch.no_grad():
-            for tau in SIGNED_GRID:
-                moved = torch.softmax(logp + torch.as_tensor(offset_for(tau, train_mix)), dim=-1).float()
-                scores.append(uniform_macro_f1(module.vote_from(moved)["label"].cpu().numpy(), y, C))
-        best = int(np.argmax(np.round(scores, 12)))  # the first maximum: the smallest move among ties
-        tau = float(SIGNED_GRID[best])
-        offset = offset_for(tau, train_mix)
-        rec = {"kind": "expert_shift", "tau": tau, "offset": [float(v) for v in offset],
-               "train_prior": [float(v) for v in train_mix],
-               "criterion": "the experts' vote's macro F1 under a uniform class prior",
-               "validation_images": int(len(y)), "scores": {f"{t:.1f}": float(v) for t, v in zip(SIGNED_GRID, scores)}}
+
+        def vote(offset: np.ndarray) -> np.ndarray:
+            with torch.no_grad():
+                moved = torch.softmax(logp + torch.as_tensor(offset), dim=-1).float()
+                return module.vote_from(moved)["label"].cpu().numpy()
+
+        rec = search_operating_point(vote, labels, train_mix, logp.shape[-1], SIGNED_GRID, kind="expert_shift",
+                                     criterion="the experts' vote's macro F1 under a uniform class prior")
+        offset = np.asarray(rec["offset"])
         extras = dict(state.extras)
         extras["expert.bias"] = (state.extras["expert.bias"] + torch.as_tensor(offset, dtype=torch.float32)).clone()
         return GlobalState(state.weights, extras, dict(state.meta, decision=rec))
