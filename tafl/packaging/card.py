@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, site_rows, summary_markdown
+from tafl.training.privacy import privacy_lines
 
 ORDER = ("forward50", "forward25", "forward10", "forward5", "forward2", "uniform", "backward2", "backward5",
          "backward10", "backward25", "backward50")
@@ -99,6 +100,7 @@ def render_card(m: dict[str, Any]) -> str:
                   "| site | test images | accuracy | balanced accuracy | adapted | true mix given |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['site']} | {r['n_test'] if r['n_test'] is not None else ''} | {_pct(r['own'])} | "
                   f"{_pct(r['own_balanced'])} | {_pct(r['adapted'])} | {_pct(r['oracle'])} |" for r in rows]
+    lines += ["", "## Privacy", ""] + privacy_lines(m.get("privacy"))
     lines += ["", "## Limitations", ""] + [f"- {x}" for x in m["limitations"]]
     prov = m["data_provenance"]
     lines += ["", "## Training and provenance", "",

@@ -555,6 +555,7 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
         "training": {"run_config": ck["run_config"], "round": ck["round"],
                      "train_class_counts": ck.get("train_class_counts"), "class_ranks": ck.get("class_ranks")},
         "data_provenance": ck.get("data_provenance", {}),
+        "privacy": _privacy_spec(ck),
         "metrics": metrics,
         "intended_use": (f"Classify {ck['run_config']['dataset']}-like images into {len(ck['class_names'])} classes "
                          "when the class mix at the site is unknown or shifts (test-agnostic long-tailed "
@@ -562,6 +563,18 @@ def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.
         "limitations": _limitations(ck, metrics, mcfg.is_vit, adaptive),
         "verification": check,
     }
+
+
+def _privacy_spec(ck: dict[str, Any]) -> dict[str, Any]:
+    """What the training promised each site's images (tafl.training.privacy): the mechanism, unit, the accountant's
+    ε and δ, noise and clipping, and whether secure aggregation hid single sites' numbers."""
+    from types import SimpleNamespace
+
+    from tafl.training.privacy import privacy_section
+
+    rc = ck.get("run_config") or {}
+    return privacy_section(SimpleNamespace(**rc), (ck.get("book") or {}).get("privacy"),
+                           bool(rc.get("secure_aggregation")))
 
 
 def _decision_spec(ck: dict[str, Any]) -> dict[str, Any]:

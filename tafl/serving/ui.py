@@ -270,6 +270,15 @@ _static_cache: dict[tuple, dict[str, Any]] = {}
 _static_lock = threading.Lock()
 
 
+def privacy_summary(p: dict[str, Any] | None) -> str:
+    """One line for people: the guarantee the training gave each site's images, or that there was none."""
+    if not p or p.get("epsilon") is None:
+        how = "summed by SecAgg+" if (p or {}).get("secure_aggregation") else "in plaintext"
+        return f"no differential privacy (the sites sent exact updates and statistics, {how})"
+    agg = ", sums via SecAgg+" if p.get("secure_aggregation") else ""
+    return f"ε = {p['epsilon']:.3g}, δ = {p['delta']:.0e} per {p.get('unit') or 'record'} ({p.get('accountant', '')}{agg})"
+
+
 def _static_view(model, index: int) -> dict[str, Any]:
     """The parts of a model's panel that change only with the package: rendered once per loaded package."""
     pkg = model.package
@@ -307,6 +316,7 @@ def _static_view(model, index: int) -> dict[str, Any]:
         "task": meta.get("task"), "lineage": lineage,
         "training": (f"{run.get('dataset', '?')}, {run.get('clients', '?')} clients, {run.get('rounds', '?')} rounds, "
                      f"model from round {(meta.get('training') or {}).get('round', '?')}") if run else None,
+        "privacy": privacy_summary(meta.get("privacy")),
         "checksums": sorted(pkg.files.items()), "model_sha256": pkg.files.get("model.onnx", "?"),
         "signature": _signature(pkg), "heatmap": meta.get("heatmap"),
         "experts": [e.get("name") for e in meta.get("experts") or []],

@@ -62,6 +62,10 @@ def run_label(rep: dict[str, Any]) -> str:
         label += f" + {cfg['calibration']} calibration"
     if cfg.get("decision", "argmax") != "argmax":
         label += " + τ on validation"
+    if cfg.get("dp_epsilon") is not None:
+        label += f" [DP ε={cfg['dp_epsilon']:g}]"
+    if cfg.get("secure_aggregation"):
+        label += " [SecAgg+]"
     return label
 
 
@@ -151,6 +155,22 @@ def _site_table(groups: dict[str, Reports]) -> list[str]:
     return lines
 
 
+def _privacy_table(groups: dict[str, Reports]) -> list[str]:
+    """ε per configuration: the target and what the accountant says each run spent (∞: no DP)."""
+    lines = ["", "## Privacy", "", "| method | ε target | ε spent (accountant) | δ | DP-SGD noise multiplier | "
+             "secure aggregation |", "|---|---|---|---|---|---|"]
+    for lab, reps in groups.items():
+        p0 = reps[0].get("privacy") or {}
+        if p0.get("epsilon") is None:
+            lines.append(f"| {lab} | ∞ | ∞ | — | — | {'yes' if p0.get('secure_aggregation') else 'no'} |")
+            continue
+        spent = cell(reps, lambda r: r["privacy"]["epsilon"], scale=1, digits=2)
+        z = cell(reps, lambda r: r["privacy"]["noise_multiplier"]["max"], scale=1, digits=2)
+        lines.append(f"| {lab} | {p0.get('epsilon_target')} | {spent} | {p0.get('delta'):.0e} | {z} | "
+                     f"{'yes' if p0.get('secure_aggregation') else 'no'} |")
+    return lines
+
+
 def compare(paths: list[str | Path], labels: list[str] | None = None) -> tuple[str, dict[str, Reports]]:
     reports = [load_report(p) for p in paths]
     names = labels or [run_label(r) for r in reports]
@@ -206,6 +226,7 @@ def compare(paths: list[str | Path], labels: list[str] | None = None) -> tuple[s
             if fu and fd:
                 extra = f"{(up[0] + down[0] - fu[0] - fd[0]) / 1e6:.2f}"
         lines.append(f"| {lab} | {up[0] / 1e6 if up else 0:.2f} | {down[0] / 1e6 if down else 0:.2f} | {extra} |")
+    lines += _privacy_table(groups)
     lines += _site_table(groups)
     if any(r.get("experts") for r in reports):
         lines += ["", "## Experts (prior-weighted accuracy, %)", ""]

@@ -202,6 +202,22 @@ class RunConfig:
     # auto (chosen on the validation split among tafl.prior.SMOOTHING_GRID, docs/decisions.md §2.6) or a number >= 0
     # (0: the maximum-likelihood EM)
     prior_smoothing: str | float = "auto"
+    # --- privacy (tafl.training.privacy, docs/design.md §privacy) ---
+    # record-level differential privacy: the run's ε per training image at every site, over the whole run (every
+    # round, every release); null (or inf): no DP. DP-SGD (Opacus) trains each client, its class counts and its
+    # class statistics and expert gradients are released with Gaussian noise, one RDP accountant bounds them all
+    dp_epsilon: float | None = None
+    dp_delta: float = 1e-5  # the run's δ; must be below 1 / (the smallest site's record count)
+    dp_clip: float = 1.0  # DP-SGD's per-image gradient norm bound
+    # the per-image feature norm bound of released class statistics and expert gradients, per √(feature dimension):
+    # F = dp_feature_clip·√D (the GroupNorm ResNet-8's per-image feature norm is about 0.74·√D at its median;
+    # docs/results.md §16)
+    dp_feature_clip: float = 0.8
+    # the statistics releases' noise multiplier over DP-SGD's (they are not subsampled: each costs far more budget
+    # than a DP-SGD step at the same multiplier)
+    dp_stats_ratio: float = 3.0
+    # Flower engine: every quantity the server only needs summed travels through Flower's SecAgg+ (docs/flower.md)
+    secure_aggregation: bool = False
     # --- ViT-DAFL (docs/design.md §5) ---
     loss: str = "dafl"  # dafl | focal | ce (the loss ablation)
     gamma_init: float = 2.0  # focusing parameter γ at the start (learnable for dafl unless gamma_fixed)
@@ -365,10 +381,52 @@ class RunConfig:
             raise bad("centralised", "trains one model on pooled data: it runs in the simulator (--engine simulator)")
         if self.local_adjust and self.method not in ("fedavg", "fedprox"):
             raise bad("local_adjust", f"applies to fedavg and fedprox, not {self.method}")
+        self._validate_privacy(bad)
         if self.client_column and self.imbalance_factor is not None:
             raise bad("imbalance_factor", "with client_column every site keeps its own long tail; set it to null "
                                           "(--imbalance-factor none)")
         return self
+
+
+    def _validate_privacy(self, bad) -> None:
+        """DP and secure aggregation: what each needs, refused before any data is read (δ against the sites'
+        record counts is checked once the data are loaded: tafl.training.simulator)."""
+        if self.dp_epsilon is not None and math.isinf(self.dp_epsilon) and self.dp_epsilon > 0:
+            self.dp_epsilon = None  # ε = ∞: no DP
+        if self.secure_aggregation and self.engine != "flower":
+            raise bad("secure_aggregation", "runs on Flower's SecAgg+ workflow: use --engine flower (the in-process "
+                                            "simulator has no separate parties to hide a client's numbers from)")
+        if self.dp_epsilon is None:
+            return
+        if not (math.isfinite(self.dp_epsilon) and self.dp_epsilon > 0):
+            raise bad("dp_epsilon", "must be a number > 0 (or null / inf for no differential privacy)")
+        if not 0 < self.dp_delta < 1:
+            raise bad("dp_delta", "must be in (0, 1), and below 1 / the smallest site's number of images")
+        for key in ("dp_clip", "dp_feature_clip", "dp_stats_ratio"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v > 0):
+                raise bad(key, "must be a finite number > 0")
+        why = {"dafl": "ViT-DAFL's learnable focal loss and per-client class weights have no per-image bound here",
+               }.get(self.method)
+        if why:
+            raise bad("dp_epsilon", f"differential privacy is not supported for method '{self.method}': {why}; use "
+                                    "fedavg, fedprox, creff or gtafl")
+        if self.backbone != "resnet8":
+            raise bad("dp_epsilon", f"differential privacy trains the ResNet-8 (GroupNorm in place of BatchNorm, as "
+                                    f"DP-SGD needs); backbone '{self.backbone}' is not supported")
+        if self.calibration != "none":
+            raise bad("calibration", "federated calibration's NLL sums have no per-image bound yet, so a DP run "
+                                     "cannot release them: use --calibration none with --dp-epsilon")
+        if self.method == "gtafl" and self.gs:
+            raise bad("gs", "GI-GDS samples a site's rare-class images with probability near 1, which removes "
+                            "DP-SGD's subsampling bound: use --no-gs with --dp-epsilon")
+        if self.local_adjust:
+            raise bad("local_adjust", "the local logit adjustment reads the site's exact class counts: not with DP")
+        if self.simclr_pool == "train" and self.method == "gtafl" and self.cl:
+            raise bad("simclr_pool", "'train' gives the server the sites' training images: use val with DP")
+        if self.centralised:
+            raise bad("centralised", "pools every site's images on one machine: there is nothing for DP to protect "
+                                     "between sites; train federated with --dp-epsilon")
 
 
 def field_docs() -> dict[str, str]:

@@ -63,8 +63,8 @@ def expert_counts(names: tuple[str, ...], global_counts: np.ndarray, ranks: np.n
 
 
 def class_head_gradients(features: torch.Tensor, labels: torch.Tensor, W: torch.Tensor, b: torch.Tensor,
-                         classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean CE gradient per class in `classes` w.r.t. every expert head.
+                         classes: torch.Tensor, reduce: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean (or, with reduce="sum", summed) CE gradient per class in `classes` w.r.t. every expert head.
 
     features (n, D), labels (n,), W (E, C, D), b (E, C), classes (L,) -> gW (L, E, C, D), gb (L, E, C).
     """
@@ -72,7 +72,8 @@ def class_head_gradients(features: torch.Tensor, labels: torch.Tensor, W: torch.
     probs = torch.softmax(torch.einsum("nd,ecd->enc", features, W) + b[:, None, :], dim=-1)  # (E, n, C)
     resid = probs - F.one_hot(labels, num_classes).to(probs.dtype)[None]  # (E, n, C)
     sel = (labels[:, None] == classes[None, :]).to(features.dtype)  # (n, L)
-    sel = sel / sel.sum(0, keepdim=True).clamp_min(1)  # mean over each class's samples
+    if reduce == "mean":
+        sel = sel / sel.sum(0, keepdim=True).clamp_min(1)  # mean over each class's samples
     gW = torch.einsum("nl,enc,nd->lecd", sel, resid, features)
     gb = torch.einsum("nl,enc->lec", sel, resid)
     return gW, gb

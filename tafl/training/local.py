@@ -157,3 +157,68 @@ def logit_adjusted_loss(class_counts: torch.Tensor, tau: float, floor: float = 1
         return F.cross_entropy(logits + offset.to(logits.device), y)
 
     return loss
+
+
+def dp_local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
+                 normalize: Callable[[torch.Tensor], torch.Tensor], epochs: int, batch_size: int, lr: float,
+                 momentum: float, weight_decay: float, gen: torch.Generator, noise_gen: torch.Generator,
+                 augment: bool, noise_multiplier: float, max_grad_norm: float, sample_rate: float,
+                 prox_mu: float = 0.0, prox_ref: dict[str, torch.Tensor] | None = None, optimizer: str = "sgd",
+                 policy: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None) -> dict[str, float]:
+    """DP-SGD on one client (Opacus): E epochs of ⌈1/q⌉ steps, each on a Poisson sample of the rows (every row in
+    with probability q, drawn from `noise_gen`, which the coordinator cannot reproduce); each image's gradient
+    clipped to `max_grad_norm`, Gaussian noise of σ = noise_multiplier·max_grad_norm added to their sum, divided by
+    the expected batch q·n. The model must have no BatchNorm (GroupNorm: tafl.training.models.norm_layer).
+
+    A step whose Poisson sample is empty is skipped (probability (1 − q)^n, e^−batch_size at most); FedProx's
+    proximal pull is applied after each noisy step, as a decoupled step that reads no data. `gen` still draws the
+    augmentation. Returns mean loss, steps taken and steps counted for the accountant (`dp_steps`)."""
+    import warnings
+
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    model.train()
+    n = len(labels)
+    # the first layer's input needs no gradient, so PyTorch notes that its backward hook fires on outputs: expected
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+    gsm = GradSampleModule(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    base: torch.optim.Optimizer = (torch.optim.Adam(params, lr=lr, weight_decay=weight_decay) if optimizer == "adam"
+                                   else torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay))
+    opt = DPOptimizer(base, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                      expected_batch_size=max(1, int(round(sample_rate * n))), generator=noise_gen)
+    ref = None
+    if prox_mu > 0 and prox_ref is not None:
+        ref = [(p, prox_ref[name].to(p.device)) for name, p in model.named_parameters() if name in prox_ref]
+    total, steps, counted, nonfinite = 0.0, 0, 0, 0
+    try:
+        for _ in range(epochs):
+            for _ in range(math.ceil(1.0 / sample_rate)):
+                counted += 1
+                idx = torch.nonzero(torch.rand(n, generator=noise_gen) < sample_rate).squeeze(1)
+                if len(idx) == 0:
+                    continue
+                raw = images[idx]
+                if policy is not None:
+                    raw = policy(raw, gen)
+                x = normalize(raw)
+                if augment:
+                    x = augment_batch(x, gen)
+                loss = F.cross_entropy(gsm(x), labels[idx].to(x.device))
+                opt.zero_grad(set_to_none=True)
+                if not torch.isfinite(loss):
+                    nonfinite += 1
+                    continue
+                loss.backward()
+                opt.step()
+                if ref is not None:
+                    with torch.no_grad():
+                        for p, r in ref:
+                            p.sub_(lr * prox_mu * (p - r))
+                total += float(loss.detach())
+                steps += 1
+    finally:
+        gsm._close()  # removes Opacus's hooks and grad_sample attributes: the model is plain again
+    return {"loss": total / steps if steps else math.nan, "steps": float(steps), "nonfinite_steps": float(nonfinite),
+            "dp_steps": float(counted)}

@@ -34,6 +34,7 @@ class ModelConfig:
     depth: int | None = None
     num_heads: int | None = None
     tokenizer: str = "patch"  # ViT tokens: patch (one linear patch embedding) | conv (a small conv stem)
+    norm: str = "batch"  # resnet8 normalisation: batch | group (GroupNorm: what DP-SGD needs, no running statistics)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,15 +52,25 @@ class ModelConfig:
 
 
 # ---------------------------------------------------------------- ResNet-8
+def norm_layer(kind: str, channels: int) -> nn.Module:
+    """BatchNorm, or GroupNorm with up to 16 groups (per-image statistics: DP-SGD's per-sample gradients need
+    them, and nothing of one image's batch-mates leaks into its output)."""
+    if kind == "group":
+        return nn.GroupNorm(math.gcd(16, channels), channels)
+    if kind != "batch":
+        raise ConfigError(f"unknown normalisation {kind!r}: batch or group")
+    return nn.BatchNorm2d(channels)
+
+
 class BasicBlock(nn.Module):
-    def __init__(self, in_planes: int, planes: int, stride: int = 1):
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, norm: str = "batch"):
         super().__init__()
         self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
+        self.bn1 = norm_layer(norm, planes)
         self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = (nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
+        self.bn2 = norm_layer(norm, planes)
+        self.relu = nn.ReLU(inplace=norm == "batch")  # in place breaks per-sample gradient hooks (DP)
+        self.downsample = (nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), norm_layer(norm, planes))
                            if stride != 1 or in_planes != planes else nn.Identity())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,22 +82,22 @@ class BasicBlock(nn.Module):
 class ResNet8(nn.Module):
     """Feature extractor: (B, C, H, W) -> (B, 256·width)."""
 
-    def __init__(self, in_chans: int = 3, width: float = 1.0):
+    def __init__(self, in_chans: int = 3, width: float = 1.0, norm: str = "batch"):
         super().__init__()
         c1, c2, c3 = (max(1, int(round(c * width))) for c in (64, 128, 256))
         self.conv1 = nn.Conv2d(in_chans, c1, 3, 1, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c1)
-        self.relu = nn.ReLU(inplace=True)
-        self.layer1 = BasicBlock(c1, c1)
-        self.layer2 = BasicBlock(c1, c2, stride=2)
-        self.layer3 = BasicBlock(c2, c3, stride=2)
+        self.bn1 = norm_layer(norm, c1)
+        self.relu = nn.ReLU(inplace=norm == "batch")  # in place breaks per-sample gradient hooks (DP)
+        self.layer1 = BasicBlock(c1, c1, norm=norm)
+        self.layer2 = BasicBlock(c1, c2, stride=2, norm=norm)
+        self.layer3 = BasicBlock(c2, c3, stride=2, norm=norm)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.num_features = c3
         for m in self.modules():  # CReFF's initialisation
             if isinstance(m, nn.Conv2d):
                 n = m.kernel_size[0] * m.kernel_size[1] * m.out_channels
                 nn.init.normal_(m.weight, 0.0, math.sqrt(2.0 / n))
-            elif isinstance(m, nn.BatchNorm2d):
+            elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
@@ -215,7 +226,7 @@ class Classifier(nn.Module):
 def _build_resnet8(cfg: ModelConfig, pretrained: bool) -> nn.Module:
     if pretrained:
         raise ConfigError("resnet8 has no hub weights; pass a local weights file to --pretrained")
-    return ResNet8(cfg.in_chans, cfg.width)
+    return ResNet8(cfg.in_chans, cfg.width, cfg.norm)
 
 
 # extractor builders by name, (config, hub weights?) -> extractor with `num_features`; any other name is a timm ViT

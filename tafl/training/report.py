@@ -224,6 +224,10 @@ def render_markdown(r: dict[str, Any]) -> str:
             lines.append(f"| {name} | {r['class_ranks'][c]} | {r['train_class_counts'][c]} | "
                          f"{r['test_class_counts'][c]} | {pct(r['per_class_accuracy'][c])} | "
                          f"{pct(m['per_class']['recall'][c])} |")
+    if r.get("privacy"):
+        from tafl.training.privacy import privacy_lines
+
+        lines += ["", "## Privacy", ""] + privacy_lines(r["privacy"])
     t, cm = r.get("timing", {}), r.get("communication", {})
     if t:
         lines += ["", "## Cost", "", "| " + " | ".join(t) + " |", "|" + "---|" * len(t),

@@ -31,7 +31,7 @@ from tafl.training.data import Dataset, Split, index_hash, load_dataset
 from tafl.training.ensemble import vote_rule_accuracies
 from tafl.training.evaluate import balanced_accuracy, evaluate_outputs, predict
 from tafl.training.longtail import (class_ranks, client_class_counts, dirichlet_partition, holdout_split, make_longtail,
-                                    select_clients)
+                                    ranks_from_counts, select_clients)
 from tafl.training.methods import GlobalState, Method, method_class
 from tafl.training.methods.base import ClientData, tensor_bytes
 from tafl.training.models import ModelConfig
@@ -84,7 +84,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     model_cfg = ModelConfig(backbone=cfg.backbone, num_classes=ds.num_classes, in_chans=ds.preprocess.channels,
                             img_size=ds.preprocess.size, width=cfg.width, patch_size=cfg.patch_size,
                             embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads,
-                            tokenizer=cfg.tokenizer)
+                            tokenizer=cfg.tokenizer, norm="group" if cfg.dp_epsilon else "batch")
     return Prepared(ds, train, parts, holdouts, ranks, counts, cc, model_cfg, index_hash(cfg.dataset, train.ids, train.labels))
 
 
@@ -97,6 +97,16 @@ def site_parts(train: Split, site_names: list[str]) -> list[np.ndarray]:
         raise DataError(f"site(s) {', '.join(empty)} have no training rows; a client needs data to train on "
                         "(drop those rows, or mark some as train)")
     return parts
+
+
+def check_privacy_data(cfg: RunConfig, prep: Prepared) -> None:
+    """δ must be below 1/n for every site's n records (a larger δ allows releasing a record outright)."""
+    if cfg.dp_epsilon is None:
+        return
+    n_min = min(len(p) for p in prep.parts)
+    if cfg.dp_delta >= 1.0 / n_min:
+        raise ConfigError(f"config 'dp_delta' = {cfg.dp_delta!r}: must be below 1/n = {1.0 / n_min:.2g} for the "
+                          f"smallest site's n = {n_min} training images (e.g. --dp-delta 1e-5)")
 
 
 def make_method(cfg: RunConfig, model_cfg: ModelConfig, preprocess, device: torch.device | str = "cpu") -> Method:
@@ -204,6 +214,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, device: torch.device, progre
     if resume:
         state, start, book = _resume(out / "checkpoints", prep, state, book)
     common = _common_fields(cfg, prep)
+    if method.dp:  # what the federation knows of its mix is the sites' noisy census, not the exact counts
+        noisy = state.extras["global_counts"].numpy()
+        common.update(train_class_counts=[int(round(float(c))) for c in noisy], client_class_counts=None,
+                      class_ranks=[int(r) for r in ranks_from_counts(noisy)])
     if parent_package:
         common["parent_package"] = parent_package
     state = _round_loop(method, state, transport, cfg, book, common, prep.dataset, out / "checkpoints", start,
@@ -225,6 +239,7 @@ def _setup(cfg: RunConfig, device: torch.device, init_from: dict[str, Any] | Non
              cfg.dataset, len(prep.train), cfg.imbalance_factor, prep.train_counts.tolist(), cfg.clients)
     for k, row in enumerate(prep.client_counts):
         log.info("client %d: %d samples, class counts %s", k, int(row.sum()), row.tolist())
+    check_privacy_data(cfg, prep)
     method = make_method(cfg, prep.model_cfg, ds.preprocess, device)
     if transport_factory is None:
         images = torch.from_numpy(prep.train.images)  # the one copy of the training data
@@ -474,6 +489,7 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     round_cfg = method.round_config(state, stats, r)
     payload = method.broadcast(state)
     results, cost = transport.train(selected, payload, round_cfg)
+    _privacy_ledger(method, book, results)
     comm = book["communication"]
     comm["downlink_bytes"] += cost["downlink_bytes"]
     comm["uplink_bytes"] += cost["uplink_bytes"] + sum(tensor_bytes(s) for s in stats.values())
@@ -497,6 +513,22 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     book["history"][-1]["nonfinite_share"] = float(bad_steps / steps) if steps else 0.0
     check_divergence(book["history"], state, cfg)
     return state
+
+
+def _privacy_ledger(method: Method, book: dict[str, Any], results: list) -> None:
+    """Each client's DP-SGD steps and statistics releases so far, and its plan: what the accountant composes for
+    the report's ε (tafl.training.privacy.privacy_section)."""
+    if not method.dp:
+        return
+    ledger = book.setdefault("privacy", {})
+    for r in results:
+        steps, rel = r.metrics.get("dp_steps", 0.0), r.metrics.get("dp_releases", 0.0)
+        if not (steps or rel):
+            continue
+        e = ledger.setdefault(str(r.client_id), {"records": int(r.num_samples), "steps": 0, "releases": 0,
+                                                 "plan": method.dp_plan(int(r.num_samples)).to_dict()})
+        e["steps"] += int(steps)
+        e["releases"] += int(rel)
 
 
 EXPLODED = 1e3  # a round's mean loss this many times the first round's is a divergence
@@ -555,6 +587,7 @@ def _finish(method: Method, state: GlobalState, transport: Transport, round_cfg:
     ids = select_clients(transport.num_clients, round_cfg["clients_frac"], cfg.seed, round_cfg["round"])
     payload = method.broadcast(state)
     results, cost = transport.train(ids, payload, round_cfg)
+    _privacy_ledger(method, book, results)
     _charge(book, cost)
     t0 = time.perf_counter()
     state = method.server_finish(state, results, round_cfg["round"])
@@ -866,6 +899,9 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
     report.update(method.extra_report(state, out, ds.test, ranks))
     if state.meta.get("decision"):  # the operating point the labels above were decided at
         report["decision"] = state.meta["decision"]
+    from tafl.training.privacy import privacy_section
+
+    report["privacy"] = privacy_section(cfg, (ck.get("book") or {}).get("privacy"), cfg.secure_aggregation)
     val = predict(module, ds.val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
     val_ev = evaluate_outputs(val["probs"], val["label"], ds.val.labels, ranks, cfg.test_seed)
     # accuracy: plain, on the validation split as it comes; distribution_accuracy: prior-weighted per distribution

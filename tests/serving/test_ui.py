@@ -203,6 +203,9 @@ def hostile_pkg(gtafl_pkg, tmp_path_factory) -> Path:
         HOSTILE_CLASS: {"n_test": 12, "own": {"accuracy": 0.5, "balanced_accuracy": None}}}
     meta["metrics"]["site_mean"] = {"own": {"accuracy": 0.605, "balanced_accuracy": 0.42}}
     meta["metrics"]["pooled_balanced_accuracy"] = 0.433
+    # as if trained with --dp-epsilon 3: the privacy object, its unit carrying markup
+    meta["privacy"] = {"mechanism": "DP-SGD", "unit": HOSTILE_CLASS, "epsilon": 2.9991, "epsilon_target": 3.0,
+                       "delta": 1e-5, "accountant": "RDP", "secure_aggregation": False}
     (out / "metadata.json").write_text(json.dumps(meta))
     (out / "README.md").write_text(HOSTILE_CARD)
     names = [line.split(maxsplit=1)[1] for line in (out / SUMS).read_text().splitlines() if line.strip()]
@@ -229,6 +232,15 @@ def test_package_text_is_escaped(hostile_server):
     assert '<a href="https://example.org/card">fine</a>' in html  # ordinary Markdown still renders
     assert "<b>bold?</b>" not in html
     assert len(re.findall(r"<script\b", html)) == 1  # the page's own script only
+
+
+def test_the_page_states_each_model_s_privacy_guarantee(server, hostile_server):
+    """A model trained with DP shows its (ε, δ) and unit (escaped); one trained without says so."""
+    html = get(hostile_server, "/").text
+    line = html.split("<dd data-privacy>", 1)[1].split("</dd>", 1)[0]
+    assert "ε = 3, δ = 1e-05 per &lt;img src=x" in line and "RDP" in line
+    plain = _section(get(server, "/").text, "derm-gtafl").split("<dd data-privacy>", 1)[1].split("</dd>", 1)[0]
+    assert plain.startswith("no differential privacy")
 
 
 def test_a_model_trained_on_sites_shows_each_site_on_its_own_patients(hostile_server):

@@ -99,6 +99,9 @@ class Method:
         self.mean = torch.tensor(preprocess.mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.std = torch.tensor(preprocess.std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self._calib_cache: dict[tuple[int, int], np.ndarray] = {}  # (client, round) -> held-out logits
+        self.dp = cfg.dp_epsilon is not None  # record-level DP (tafl.training.privacy)
+        self._dp_counts: dict[int, torch.Tensor] = {}  # each client's one noisy census release, re-sent when asked
+        self._noise: torch.Generator | None = None
 
     # ---- state ----
     def init_state(self, train_counts: np.ndarray) -> GlobalState:
@@ -126,9 +129,60 @@ class Method:
             self._policy = PolicyAugment(self.cfg.augment_policy, self.model_cfg.in_chans)
         return self._policy
 
+    # ---- differential privacy (tafl.training.privacy) ----
+    def dp_releases_per_round(self) -> tuple[int, int]:
+        """Statistics releases a client makes per training round and in the finishing round (besides the census
+        and the DP-SGD steps): none for a method that sends only its model."""
+        return 0, 0
+
+    def dp_plan(self, n: int):
+        from tafl.training.privacy import plan_client
+
+        per_round, finishing = self.dp_releases_per_round()
+        return plan_client(self.cfg, n, per_round, finishing)
+
+    @property
+    def noise(self) -> torch.Generator:
+        """The DP noise and Poisson draws: seeded from the OS, never from the run's seed."""
+        if self._noise is None:
+            from tafl.training.privacy import noise_generator
+
+            self._noise = noise_generator()
+        return self._noise
+
+    def local_train(self, images: torch.Tensor, labels: torch.Tensor, data: ClientData, round_: int,
+                    gen: torch.Generator, **kw: Any) -> dict[str, float]:
+        """The local training every method shares: local SGD, or DP-SGD when the run is private (its noise
+        multiplier from this client's plan). `kw`: sample_weights, prox_mu, prox_ref, loss_fn."""
+        from tafl.training.local import dp_local_sgd, local_sgd
+
+        cfg = self.cfg
+        common = dict(normalize=self.normalize, epochs=cfg.local_epochs, batch_size=cfg.batch_size,
+                      lr=self.local_lr(round_), momentum=cfg.momentum, weight_decay=cfg.weight_decay, gen=gen,
+                      augment=cfg.augment, optimizer=cfg.optimizer, policy=self.policy)
+        if not self.dp:
+            return local_sgd(self.model, images, labels, **common, **kw)
+        if kw.get("sample_weights") is not None or kw.get("loss_fn") is not None:
+            raise ValueError("DP-SGD samples uniformly with the plain cross-entropy (the config refuses the rest)")
+        plan = self.dp_plan(len(data))
+        return dp_local_sgd(self.model, images, labels, **common, noise_gen=self.noise,
+                            noise_multiplier=plan.noise_multiplier, max_grad_norm=plan.clip,
+                            sample_rate=plan.sample_rate, prox_mu=kw.get("prox_mu", 0.0), prox_ref=kw.get("prox_ref"))
+
     # ---- the five steps ----
     def client_stats(self, data: ClientData) -> Tensors:
-        return {"class_counts": data.class_counts().to(torch.float32)}
+        """The client's class counts: exact, or under DP its one noisy release (Gaussian, sensitivity 1; negative
+        values clipped to 0 after the noise), the same each time the server asks."""
+        if not self.dp:
+            return {"class_counts": data.class_counts().to(torch.float32)}
+        k = int(data.client_id)
+        if k not in self._dp_counts:
+            from tafl.training.privacy import gaussian_release
+
+            z = self.dp_plan(len(data)).stats_noise_multiplier
+            noisy = gaussian_release({"c": (data.class_counts().to(torch.float64), 1.0)}, z, self.noise)["c"]
+            self._dp_counts[k] = noisy.clamp_min(0).to(torch.float32)
+        return {"class_counts": self._dp_counts[k].clone()}
 
     def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> dict[str, Any]:
         self.record_counts(state, stats)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tafl.training.aggregate import check_results, weighted_average
-from tafl.training.local import local_sgd, logit_adjusted_loss
+from tafl.training.local import logit_adjusted_loss
 from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method, Tensors
 
 log = logging.getLogger(__name__)
@@ -31,13 +31,10 @@ class FedAvg(Method):
         self.model.load_state_dict(payload)
         gen = self.generator(round_cfg["round"], data.client_id)
         cfg = self.cfg
-        metrics = local_sgd(self.model, data.images[data.indices], data.local_labels, normalize=self.normalize,
-                            epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=self.local_lr(round_cfg["round"]),
-                            momentum=cfg.momentum, weight_decay=cfg.weight_decay, gen=gen, augment=cfg.augment,
-                            policy=self.policy, prox_mu=self.prox_mu,
-                            prox_ref=payload if self.prox_mu > 0 else None, optimizer=cfg.optimizer,
-                            loss_fn=logit_adjusted_loss(data.class_counts(), cfg.local_adjust) if cfg.local_adjust
-                            else None)
+        metrics = self.local_train(data.images[data.indices], data.local_labels, data, round_cfg["round"], gen,
+                                   prox_mu=self.prox_mu, prox_ref=payload if self.prox_mu > 0 else None,
+                                   loss_fn=logit_adjusted_loss(data.class_counts(), cfg.local_adjust)
+                                   if cfg.local_adjust else None)
         weights = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return ClientResult(data.client_id, len(data), weights, {}, metrics)
 

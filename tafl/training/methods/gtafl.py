@@ -35,7 +35,6 @@ from tafl.training import gff
 from tafl.training.aggregate import check_results, weighted_average
 from tafl.training.ensemble import ExpertEnsemble, learn_vote_weights, vote_rule_accuracies, vote_weights
 from tafl.training.evaluate import evaluate_outputs, predict
-from tafl.training.local import local_sgd
 from tafl.training.longtail import DISTRIBUTIONS, distribution_prior, ranks_from_counts
 from tafl.training.methods.base import (SERVER, ClientData, ClientResult, GlobalState, Method, ProbsAndLabel,
                                         Tensors)
@@ -128,18 +127,15 @@ class GTAFL(Method):
         if self.cr:
             extras = self.expert_gradients(images, labels, payload["expert.weight"], payload["expert.bias"], gen)
         if round_cfg.get("features_only"):  # the finishing round: one feature pass, no local training
-            return ClientResult(data.client_id, len(data), {}, extras, {"features_only": 1.0})
+            return ClientResult(data.client_id, len(data), {}, extras,
+                                {"features_only": 1.0, **({"dp_releases": 1.0} if self.dp else {})})
         weights = None
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {"dp_releases": 1.0} if self.dp and self.cr else {}
         if self.gs:
             cw, alpha = gigds_class_weights(data.class_counts(), torch.tensor(round_cfg["global_counts"]),
                                             self.cfg.gs_tau)
             weights, metrics["gigds_alpha"] = cw[labels], alpha
-        cfg = self.cfg
-        metrics.update(local_sgd(self.model, images, labels, normalize=self.normalize, epochs=cfg.local_epochs,
-                                 batch_size=cfg.batch_size, lr=self.local_lr(round_cfg["round"]),
-                                 momentum=cfg.momentum, weight_decay=cfg.weight_decay, gen=gen, augment=cfg.augment,
-                                 sample_weights=weights, optimizer=cfg.optimizer, policy=self.policy))
+        metrics.update(self.local_train(images, labels, data, round_cfg["round"], gen, sample_weights=weights))
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return ClientResult(data.client_id, len(data), state, extras, metrics)
 
@@ -159,7 +155,61 @@ class GTAFL(Method):
         idx = self.gradient_sample(labels, gen)
         self.model.eval()
         feats = self.model.features(self.normalize(images[idx])).float().cpu()  # one pass for all experts
+        if self.dp:
+            return self.private_feature_extras(feats, labels[idx], W, b, len(labels))
         return self.feature_extras(feats, labels[idx], W, b)
+
+    def dp_releases_per_round(self) -> tuple[int, int]:
+        """One release of expert gradients (and class statistics) a round, and one in the finishing round."""
+        return (1 if self.cr else 0), (1 if self.cr and self.final_frac > 0 else 0)
+
+    def private_feature_extras(self, feats: torch.Tensor, labels: torch.Tensor, W: torch.Tensor, b: torch.Tensor,
+                               n: int) -> Tensors:
+        """`feature_extras` under record-level DP (tafl.training.privacy): every feature clipped to norm F; per
+        class (all C: which classes a site holds is private too) the sums of the per-image head gradients, of the
+        features, of their squares and the count, released together as one Gaussian mechanism; then, on the noisy
+        release only (post-processing), the classes whose noisy count stands MIN_COUNT_SIGMAS σ above zero are
+        sent as means and whole counts, with the sum of squares raised to what the sum requires."""
+        from tafl.training.privacy import MIN_COUNT_SIGMAS, clip_rows, gaussian_release
+
+        plan = self.dp_plan(n)
+        F_ = plan.feature_clip * feats.shape[1] ** 0.5  # the bound is per √D
+        feats = clip_rows(feats.double(), F_)
+        C = self.model_cfg.num_classes
+        Wm, bm = self.match_heads(W.double(), b.double())
+        shared = self.cfg.match_head == "uniform" and "uniform" in self.names  # E equal heads: release one
+        heads = (Wm[:1], bm[:1]) if shared else (Wm, bm)
+        E = heads[0].shape[0]
+        classes = torch.arange(C)
+        gW, gb = gff.class_head_gradients(feats, labels, *heads, classes, reduce="sum")
+        S, Q, N = gff.class_feature_stats(feats, labels, classes)
+        parts = {"g": (torch.cat([gW.reshape(C, -1), gb.reshape(C, -1)], 1), (2 * E * (F_ ** 2 + 1)) ** 0.5),
+                 "n": (N, 1.0)}
+        if self.uses_stats:
+            parts.update(s=(S, F_), q=(Q, F_ ** 2))
+        z = plan.stats_noise_multiplier
+        noisy = gaussian_release(parts, z, self.noise)
+        sigma_n = z * len(parts) ** 0.5  # the count's noise σ
+        count = noisy["n"].round()
+        keep = count >= max(1.0, MIN_COUNT_SIGMAS * sigma_n)
+        if not bool(keep.any()):  # nothing stands out of the noise: send the largest count's class alone
+            keep[int(noisy["n"].argmax())] = True
+            count = count.clamp_min(1)
+        cls, cnt = classes[keep], count[keep]
+        g = noisy["g"][keep] / cnt[:, None]
+        D = feats.shape[1]
+        gW_out = g[:, :E * C * D].reshape(-1, E, C, D)
+        gb_out = g[:, E * C * D:].reshape(-1, E, C)
+        if shared:
+            gW_out = gW_out.expand(-1, len(self.names), -1, -1)
+            gb_out = gb_out.expand(-1, len(self.names), -1)
+        out = {"grad_classes": cls.to(torch.int64), "grad_w": gW_out.float().contiguous(),
+               "grad_b": gb_out.float().contiguous()}
+        if self.uses_stats:
+            s_, q_ = noisy["s"][keep], noisy["q"][keep].clamp_min(0)
+            q_ = torch.maximum(q_, s_ * s_ / cnt[:, None])  # Cauchy-Schwarz: (Σx)² ≤ n·Σx²
+            out["stat_sum"], out["stat_sumsq"], out["stat_count"] = s_, q_ * (1 + 1e-9), cnt
+        return out
 
     def feature_extras(self, feats: torch.Tensor, labels: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> Tensors:
         """What a client sends from its feature pass: feats (n, D), labels (n,) -> gradients (+ statistics)."""
