@@ -56,6 +56,9 @@ FIXED_CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+SECAGG_MIN_CLIENTS = 3  # SecAgg+: a sum over two sites, one of them the server's own, would be the other's numbers
+
+
 def choices() -> dict[str, tuple[str, ...]]:
     """Every string option's allowed values: the methods of the registry and FIXED_CHOICES."""
     return {"method": method_names(), **FIXED_CHOICES}
@@ -396,6 +399,18 @@ class RunConfig:
         if self.secure_aggregation and self.engine != "flower":
             raise bad("secure_aggregation", "runs on Flower's SecAgg+ workflow: use --engine flower (the in-process "
                                             "simulator has no separate parties to hide a client's numbers from)")
+        if self.secure_aggregation:
+            per_round = max(1, int(round(self.frac * self.clients)))
+            if min(per_round, self.clients) < SECAGG_MIN_CLIENTS:
+                raise bad("secure_aggregation", f"SecAgg+ hides one site's numbers in a sum over at least "
+                                                f"{SECAGG_MIN_CLIENTS} sites, and this run has {per_round} a round "
+                                                f"({self.clients} clients, frac {self.frac}): raise --clients/--frac")
+            if self.method == "dafl":
+                raise bad("secure_aggregation", "ViT-DAFL weights each site by its own class counts, which a sum "
+                                                "cannot give: use fedavg, fedprox, creff or gtafl")
+            if self.calibration != "none":
+                raise bad("calibration", "federated calibration is not yet sent through SecAgg+: use --calibration "
+                                         "none with --secure-aggregation")
         if self.dp_epsilon is None:
             return
         if not (math.isfinite(self.dp_epsilon) and self.dp_epsilon > 0):

@@ -316,8 +316,9 @@ def _round_loop(method: Method, state: GlobalState, transport: Transport, cfg: R
             for old in sorted(ckpt_dir.glob("round_*.pt"))[:-cfg.keep_checkpoints]:
                 old.unlink(missing_ok=True)
             bar.update(1)
-            bar.set_postfix(loss=f"{h['loss']:.3f}", val_acc=_pct(h.get("val_acc")), val_bacc=_pct(h.get("val_bacc")))
-            log.info("round %d/%d: loss %.4f, val acc %s, val balanced acc %s, %.1f s", r, cfg.rounds, h["loss"],
+            loss = "not released (DP)" if h["loss"] is None else f"{h['loss']:.4f}"
+            bar.set_postfix(loss=loss, val_acc=_pct(h.get("val_acc")), val_bacc=_pct(h.get("val_bacc")))
+            log.info("round %d/%d: loss %s, val acc %s, val balanced acc %s, %.1f s", r, cfg.rounds, loss,
                      _pct(h.get("val_acc")), _pct(h.get("val_bacc")), h["seconds"])
     return state
 
@@ -505,7 +506,9 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     losses = [res.metrics.get("loss", float("nan")) for res in results]
     finite = [x for x in losses if np.isfinite(x)]
     answered = {res.client_id for res in results}
-    book["history"].append({"round": r, "clients": selected, "loss": float(np.mean(finite)) if finite else float("nan"),
+    # a DP run's clients keep their loss (it is computed from their images outside the accountant): None
+    mean_loss = float(np.mean(finite)) if finite else (None if method.dp else float("nan"))
+    book["history"].append({"round": r, "clients": selected, "loss": mean_loss,
                             "dropped": sorted(set(state.meta.get("dropped", [])) | (set(selected) - answered)),
                             "seconds": time.perf_counter() - t_round})
     steps = sum(res.metrics.get("steps", 0.0) + res.metrics.get("nonfinite_steps", 0.0) for res in results)
@@ -535,6 +538,10 @@ EXPLODED = 1e3  # a round's mean loss this many times the first round's is a div
 BAD_ROUNDS = 2  # consecutive rounds with no usable update (or mostly non-finite steps) before stopping
 
 
+def _finite(v: Any) -> bool:
+    return v is not None and bool(np.isfinite(v))
+
+
 def check_divergence(history: list[dict[str, Any]], state: GlobalState, cfg: RunConfig) -> None:
     """Stop a run that has diverged, with a message a person can act on, before its round is saved.
 
@@ -547,12 +554,14 @@ def check_divergence(history: list[dict[str, Any]], state: GlobalState, cfg: Run
     bad = [k for k, v in state.weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         why = f"the aggregated weights hold NaN or Inf ({', '.join(bad[:3])}{'…' if len(bad) > 3 else ''})"
-    first = next((x["loss"] for x in history if np.isfinite(x.get("loss", np.nan))), None)
-    if why is None and first is not None and np.isfinite(h["loss"]) and h["loss"] > EXPLODED * max(first, 1e-3):
+    first = next((x["loss"] for x in history if _finite(x.get("loss", np.nan))), None)
+    if why is None and first is not None and _finite(h["loss"]) and h["loss"] > EXPLODED * max(first, 1e-3):
         why = f"the mean local loss exploded from {first:.4g} (round {history[0]['round']}) to {h['loss']:.4g}"
 
     def broken(x: dict[str, Any]) -> bool:
-        return (not np.isfinite(x.get("loss", np.nan)) or x.get("nonfinite_share", 0.0) > 0.5
+        # a loss of None was not released (DP): only the weights and the step counts can tell
+        return ((x.get("loss", np.nan) is not None and not _finite(x.get("loss", np.nan)))
+                or x.get("nonfinite_share", 0.0) > 0.5
                 or (bool(x.get("clients")) and set(x.get("dropped", [])) >= set(x["clients"])))
 
     if why is None and len(history) >= BAD_ROUNDS and all(broken(x) for x in history[-BAD_ROUNDS:]):

@@ -201,3 +201,22 @@ def test_a_private_gtafl_run_states_its_guarantee_everywhere(tmp_path):
     assert out.returncode == 0, out.stderr
     table = out.stdout.split("## Privacy", 1)[1]
     assert "[DP ε=4]" in table and "| ∞ | ∞ |" in table and f"{p['epsilon']:.2f}" in table
+
+
+@pytest.mark.slow
+def test_the_leakage_check_finds_the_counts_and_an_image_in_plaintext_and_neither_under_dp(tmp_path):
+    """benchmarks/leakage.py on the smoke federation: the census gives every site's counts exactly and a rare
+    class's mean points at the site's own image more often than chance; at ε = 1 neither holds."""
+    out = tmp_path / "leak.json"
+    r = subprocess.run([sys.executable, "benchmarks/leakage.py", "--config", str(CONFIGS / "smoke.yaml"),
+                        "--eps", "1", "--repeats", "2", "--out", str(out)], capture_output=True, text=True,
+                       cwd=CONFIGS.parent, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["protection"]: row for row in json.loads(out.read_text())["results"]}
+    plain, dp = rows["none"], rows["dp eps=1"]
+    assert plain["counts_exact_share"]["mean"] == 1.0 and plain["counts_mae"]["mean"] == 0.0
+    assert plain["nearest_image_rate"]["mean"] > 2 * plain["chance_rate"]["mean"]
+    assert dp["counts_mae"]["mean"] > 1.0
+    assert dp["nearest_image_rate"]["mean"] <= plain["nearest_image_rate"]["mean"] / 2
+    assert rows["secagg"]["counts_mae"]["mean"] > 0  # per-site counts are not seen, only their total
+    assert out.with_suffix(".md").read_text().startswith("# Leakage check")

@@ -165,9 +165,11 @@ class Method:
         if kw.get("sample_weights") is not None or kw.get("loss_fn") is not None:
             raise ValueError("DP-SGD samples uniformly with the plain cross-entropy (the config refuses the rest)")
         plan = self.dp_plan(len(data))
-        return dp_local_sgd(self.model, images, labels, **common, noise_gen=self.noise,
-                            noise_multiplier=plan.noise_multiplier, max_grad_norm=plan.clip,
-                            sample_rate=plan.sample_rate, prox_mu=kw.get("prox_mu", 0.0), prox_ref=kw.get("prox_ref"))
+        out = dp_local_sgd(self.model, images, labels, **common, noise_gen=self.noise,
+                           noise_multiplier=plan.noise_multiplier, max_grad_norm=plan.clip,
+                           sample_rate=plan.sample_rate, prox_mu=kw.get("prox_mu", 0.0), prox_ref=kw.get("prox_ref"))
+        out.pop("loss", None)  # the site's training loss is not covered by the accountant: it stays on the site
+        return out
 
     # ---- the five steps ----
     def client_stats(self, data: ClientData) -> Tensors:
