@@ -95,7 +95,8 @@ def _parse(v: str):
             return cast(v)
         except ValueError:
             pass
-    return {"true": True, "false": False, "null": None, "none": None}.get(v.lower(), v)
+    # "none" stays a string: it is a value of several settings (calibration none); "null" is the missing value
+    return {"true": True, "false": False, "null": None}.get(v.lower(), v)
 
 
 if __name__ == "__main__":
