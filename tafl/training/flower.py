@@ -35,6 +35,9 @@ from tafl.errors import ConfigError, DataError
 from tafl.training.config import RunConfig
 from tafl.training.longtail import holdout_split
 from tafl.training.methods.base import ClientData, ClientResult, Tensors, tensor_bytes
+from tafl.training.secagg import (LAYOUT_RECORD, SUM_ID, SecAggParams, SecureBounds, SecureSumError, census_layout,
+                                  client_arrays, combine, is_secure, layout_from_json, round_layout, route_secagg,
+                                  secure_reply, secure_sum)
 from tafl.training.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -143,14 +146,19 @@ def make_client_app():
     @app.query()
     def query(msg: Message, context) -> Message:
         method, data = _client(msg.content, context)
-        stats = method.client_stats(data)
+        # under secure aggregation a client's class counts leave it only inside the census's secure sum
+        stats = {} if method.cfg.secure_aggregation else method.client_stats(data)
         return Message(RecordDict({"stats": to_array_record(stats),
                                    "meta": ConfigRecord({"client_id": int(data.client_id),
                                                          "num_samples": int(len(data))})}), reply_to=msg)
 
-    @app.train()
+    @app.train(mods=[route_secagg])
     def train(msg: Message, context) -> Message:
         method, data = _client(msg.content, context)
+        if is_secure(msg):
+            return _secure_train(msg, method, data)
+        if method.cfg.secure_aggregation:
+            raise ValueError("this run sends its updates through SecAgg+ only; the server asked for a plaintext one")
         payload = from_array_record(msg.content["payload"])
         round_cfg = json.loads(msg.content["config"]["round_cfg"])
         t0 = time.perf_counter()
@@ -164,6 +172,44 @@ def make_client_app():
                                                          "seconds": float(secs)})}), reply_to=msg)
 
     return app
+
+
+def _secure_train(msg, method, data):
+    """The collect stage of a secure sum: the census's class counts, or a round's update in the layout the message
+    names (tafl.training.secagg.client_arrays). A result the server would have dropped (check_results and the
+    method's own checks) is refused here, as the server cannot check one client's numbers: the client answers with
+    an error and the sum goes on without it."""
+    conf = msg.content["config"]
+    meta = {"client_id": int(data.client_id), "num_samples": int(len(data))}
+    if "census" in conf:
+        return secure_reply(msg, {"class_counts": method.client_stats(data)["class_counts"]}, meta)
+    payload = from_array_record(msg.content["payload"])
+    round_cfg = json.loads(conf["round_cfg"])
+    t0 = time.perf_counter()
+    res = method.client_update(payload, data, round_cfg)
+    secs = time.perf_counter() - t0
+    why = _update_problem(method, payload, res)
+    if why is not None:
+        raise ValueError(f"client {data.client_id}: this round's update cannot be aggregated: {why}")
+    arrays, plain = client_arrays(res, payload, layout_from_json(str(msg.content[LAYOUT_RECORD]["layout"])))
+    return secure_reply(msg, arrays, {**meta, "seconds": float(secs), **plain})
+
+
+def _update_problem(method, payload: Tensors, res: ClientResult) -> str | None:
+    """Why the server's checks (aggregate.check_results, the method's extra check) would drop this result, or None."""
+    from tafl.training.aggregate import problem_with
+
+    if res.num_samples <= 0:
+        return f"reports {res.num_samples} samples"
+    if res.weights:
+        why = problem_with({k: payload[k] for k in method.model.state_dict() if k in payload}, res.weights,
+                           "model update")
+        if why is not None:
+            return why
+        if res.metrics.get("steps") == 0:
+            return "no local step had a finite loss"
+    check = getattr(method, "_grads_problem", None)
+    return check(res) if check is not None and (res.extras or res.weights) else None
 
 
 # ------------------------------------------------------------------ a warm ClientApp process
@@ -394,15 +440,44 @@ def parse_train_reply(msg) -> ClientResult:
 
 
 class FlowerTransport(Transport):
-    def __init__(self, grid, cfg: RunConfig, prep, *, timeout: float | None = None, wait_s: float | None = None):
+    """The round loop's clients over Flower. With `cfg.secure_aggregation` every quantity the server only needs summed
+    travels through SecAgg+ (tafl.training.secagg): the census's class counts once, then one secure sum per round whose
+    one combined ClientResult the method's server_update aggregates as it would the clients' separate results
+    (docs/flower.md, "Secure aggregation"). `method`: the server's method, which names the model's tensors and the
+    extras the layout must carry (needed with secure aggregation)."""
+
+    def __init__(self, grid, cfg: RunConfig, prep, *, timeout: float | None = None, wait_s: float | None = None,
+                 method=None, bounds: SecureBounds | None = None):
         self.grid, self.cfg = grid, cfg
         self.timeout = timeout or cfg.flower_timeout
         self.num_clients = cfg.clients
+        self.secure = bool(cfg.secure_aggregation)
+        self.method = method
+        self.num_classes = len(prep.dataset.class_names)
+        self.bounds = bounds or SecureBounds()
+        # 2^30 levels per entry (the most Flower's int32 rounding takes) in a 2^40 modulus: up to 1023 clients a sum
+        self.secagg = SecAggParams(quantization_range=2**30, modulus_range=2**40, timeout=self.timeout)
+        self.secure_sums: list[dict[str, Any]] = []  # per secure sum: round, clients, clipped entries, seconds
+        if self.secure:
+            if method is None:
+                raise ConfigError("secure aggregation needs the server's method to lay out what clients sum")
+            if cfg.dp_epsilon is not None:
+                # the round loop's privacy ledger books each client's DP-SGD steps and releases from its own result;
+                # one combined result cannot carry them (docs/flower.md)
+                raise ConfigError("--secure-aggregation with --dp-epsilon is not supported yet: the privacy "
+                                  "accountant needs each site's own result, and a secure round returns their sum")
+            final_frac = getattr(method, "final_frac", 1.0) if getattr(method, "cr", False) else 1.0
+            if getattr(method, "cr", False) and min(cfg.frac, final_frac if final_frac > 0 else 1.0) < 1.0:
+                log.warning("secure aggregation with frac %s (finishing round %s): the per-class row counts and the "
+                            "classes each site holds stay the same from round to round, and sums of them over "
+                            "different subsets of sites can be differenced; use --frac 1 where that matters "
+                            "(docs/flower.md, \"Secure aggregation\")", cfg.frac, final_frac)
         _, ConfigRecord, _, _ = _records()
         self.common = {"tafl_config": json.dumps(cfg.to_dict()), "model_config": json.dumps(prep.model_cfg.to_dict()),
                        "preprocess": json.dumps(prep.dataset.preprocess.to_dict()),
                        "class_names": json.dumps(list(prep.dataset.class_names))}
         self.node_of: dict[int, int] = {}
+        self.n_of: dict[int, int] = {}  # client -> its record count (public in tafl's privacy model)
         deadline = time.time() + (wait_s if wait_s is not None else cfg.flower_wait_s)
         nodes = list(grid.get_node_ids())
         while len(nodes) < cfg.clients and time.time() < deadline:
@@ -426,7 +501,47 @@ class FlowerTransport(Transport):
         return list(self.grid.send_and_receive(msgs, timeout=self.timeout))
 
     def census(self) -> dict[int, Tensors]:
-        return self._query(self.nodes, census=True)
+        out = self._query(self.nodes, census=True)
+        if not self.secure:
+            return out
+        # each client's class counts summed securely once, over every site (a constant summed over different subsets
+        # would leak by differencing): the server learns only the federation's counts, kept as one row
+        ids = sorted(self.node_of)
+        layout = census_layout(self.num_classes, max(self.n_of[k] for k in ids))
+        res = self._secure_sum(ids, layout, lambda n: _records()[3]({"config": self._config(census="1")}), 0,
+                               "census")
+        if res is None:
+            raise ConfigError("the census's secure sum failed; see the log above")
+        counts = np.clip(np.rint(res.sums["class_counts"]), 0, None)
+        return {SUM_ID: {"class_counts": torch.tensor(counts, dtype=torch.float32)}}
+
+    def _secure_sum(self, ids: list[int], layout, content_fn, round_: int, what: str):
+        """One SecAgg+ sum over clients `ids`; None (logged) when Flower abandons it. Booked in `secure_sums`."""
+        nodes = [self.node_of[k] for k in ids]
+        client_of = {n: k for k, n in self.node_of.items()}
+        try:
+            res = secure_sum(self.grid, nodes, content_fn, layout, params=self.secagg, round_=round_)
+        except SecureSumError as exc:
+            log.warning("%s: the secure sum over clients %s failed: %s", what, ids, exc)
+            self.secure_sums.append({"round": round_, "what": what, "clients": [], "clipped": 0, "failed": str(exc)})
+            return None
+        in_sum = sorted(client_of[n] for n in res.node_ids)
+        for n, m in res.metrics.items():
+            if int(m.get("client_id", client_of[n])) != client_of[n]:
+                log.warning("%s: node %s answers as client %s but registered as client %s", what, n,
+                            m.get("client_id"), client_of[n])
+        left = sorted(set(ids) - set(in_sum))
+        entries = sum(int(np.prod(shape)) for shape, _ in layout.values())
+        book = {"round": round_, "what": what, "clients": in_sum, "clipped": res.clipped, "entries": entries,
+                "seconds": round(res.seconds, 3)}
+        self.secure_sums.append(book)
+        log.info("%s: secure sum over clients %s (%d entries each), %d entries clipped, %.1f s%s", what, in_sum,
+                 entries, res.clipped, res.seconds, f"; left out: {left} ({'; '.join(res.failures)[:300]})"
+                 if left else "")
+        if res.clipped:
+            log.warning("%s: %d summed entries exceeded their bounds and were clipped (a biased sum): see "
+                        "docs/flower.md on SecureBounds", what, res.clipped)
+        return res
 
     def _query(self, node_ids: list[int], census: bool = False) -> dict[int, Tensors]:
         RecordDict = _records()[3]
@@ -437,6 +552,7 @@ class FlowerTransport(Transport):
                 if rep.has_error():
                     raise ValueError(f"error: {rep.error.reason[:200]}")
                 cid = int(rep.content["meta"]["client_id"])
+                n_samples = int(rep.content["meta"]["num_samples"])
                 stats = from_array_record(rep.content["stats"])
             except (KeyError, ValueError, TypeError) as exc:
                 log.warning("node %s: unusable statistics reply (%s); ignored", node, exc)
@@ -447,12 +563,15 @@ class FlowerTransport(Transport):
                                 self.node_of[cid], node)
                     continue
                 self.node_of[cid] = node
+                self.n_of[cid] = n_samples
             out[cid] = stats
         if census:
             log.info("census: %d client(s) answered: %s", len(out), sorted(out))
         return out
 
     def stats(self, ids: list[int]) -> dict[int, Tensors]:
+        if self.secure:  # no per-client counts: the round config uses the census's global counts
+            return {}
         nodes = [self.node_of[k] for k in ids if k in self.node_of]
         return self._query(nodes) if nodes else {}
 
@@ -461,6 +580,8 @@ class FlowerTransport(Transport):
         missing = [k for k in ids if k not in self.node_of]
         if missing:
             log.warning("clients %s have no connected SuperNode; they miss this round", missing)
+        if self.secure:
+            return self._secure_train([k for k in ids if k in self.node_of], payload, round_cfg)
         nodes = [self.node_of[k] for k in ids if k in self.node_of]
         rec = to_array_record(payload)
         wire_down = rec.count_bytes() * len(nodes)
@@ -496,6 +617,61 @@ class FlowerTransport(Transport):
         return results, cost
 
 
+    def layout(self, payload: Tensors, round_cfg: dict[str, Any], ids: list[int]):
+        """The round's layout (tafl.training.secagg.round_layout) from public values: the server method's model
+        tensors and extras, the run config, and the largest record count among the round's clients."""
+        method, cfg = self.method, self.cfg
+        buffers = dict(method.model.named_buffers())
+        weights = {k: (tuple(v.shape), k in buffers) for k, v in method.model.state_dict().items()
+                   if k in payload and v.is_floating_point()}
+        grads = None
+        if getattr(method, "cr", False):  # GTAFL and CReFF: expert gradients (and class statistics)
+            grads = (self.num_classes, len(method.names), method.model.feature_dim)
+        return round_layout(weights, max(self.n_of[k] for k in ids), self.bounds, local_epochs=cfg.local_epochs,
+                            grads=grads, stats=bool(getattr(method, "uses_stats", False)),
+                            grad_samples=cfg.grad_samples, features_only=bool(round_cfg.get("features_only")))
+
+    def _secure_train(self, ids: list[int], payload: Tensors, round_cfg: dict[str, Any]):
+        """One secure sum over the round's clients, returned as ONE combined ClientResult (secagg.combine). Its id is
+        the first client in the sum: the round loop counts the clients whose ids it finds among the results as
+        having answered (a round whose result carried no client's id would count as all dropped, and two such rounds
+        stop the run as diverged); the cost's `answered` lists every client in the sum, `secure_sum` its clipped
+        entries and seconds."""
+        RecordDict = _records()[3]
+        r = round_cfg.get("round")
+        rec = to_array_record(payload)
+        cfg_rec = self._config(round_cfg=json.dumps(round_cfg))
+        cost: dict[str, Any] = {"client_s": 0.0, "uplink_bytes": 0,
+                                "downlink_bytes": tensor_bytes(payload) * len(ids),
+                                "wire_downlink_bytes": rec.count_bytes() * len(ids)}
+        if len(ids) < 2:
+            log.warning("round %s: %d client(s) reachable; a secure sum needs more; the round has no update", r,
+                        len(ids))
+            return [], cost
+        layout = self.layout(payload, round_cfg, ids)
+        res = self._secure_sum(ids, layout, lambda n: RecordDict({"payload": rec, "config": cfg_rec}), int(r or 0),
+                               f"round {r}")
+        cost["secure_sum"] = self.secure_sums[-1]
+        if res is None:
+            return [], cost
+        client_of = {n: k for k, n in self.node_of.items()}
+        in_sum = [k for k in ids if self.node_of[k] in set(res.node_ids)]  # the selection's order
+        cost["answered"] = in_sum  # every client whose update is in the combined result
+        plain = [res.metrics[self.node_of[k]] for k in in_sum]
+        cost["client_s"] = float(sum(float(m.get("seconds", 0.0)) for m in plain))
+        cost["uplink_bytes"] = 8 * (cost["secure_sum"]["entries"] + 1) * len(in_sum)  # int64 masked vectors
+        public_n = sum(self.n_of[client_of[n]] for n in res.node_ids)
+        if abs(float(res.sums["num_samples"][0]) - public_n) > 0.5:
+            log.warning("round %s: the secure sum counts %.1f samples, the census %d", r,
+                        float(res.sums["num_samples"][0]), public_n)
+        try:
+            combined = combine(res.sums, layout, payload, client_id=in_sum[0], plain=plain)
+        except SecureSumError as exc:
+            log.warning("round %s: the secure sum is unusable (%s); the round has no update", r, exc)
+            return [], cost
+        return [combined], cost
+
+
 def make_server_app(cfg: RunConfig | None = None, out: str | Path | None = None, *, resume: bool | None = None,
                     force: bool = False):
     """A ServerApp running `simulator.train` over Flower. Without arguments it reads the Flower run
@@ -518,7 +694,7 @@ def make_server_app(cfg: RunConfig | None = None, out: str | Path | None = None,
         r = bool(rc.get("resume", False)) if resume is None else resume
         f = force or bool(rc.get("force", False))
         train(c, o, resume=r, force=f, progress=False,
-              transport_factory=lambda method, prep: FlowerTransport(grid, c, prep))
+              transport_factory=lambda method, prep: FlowerTransport(grid, c, prep, method=method))
 
     return app
 

@@ -96,6 +96,17 @@ def epoch_order(n: int, gen: torch.Generator, weights: torch.Tensor | None = Non
     return torch.multinomial(weights, n, replacement=True, generator=gen)
 
 
+def training_batch(images: torch.Tensor, idx: torch.Tensor, normalize: Callable[[torch.Tensor], torch.Tensor],
+                   augment: bool, policy: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None,
+                   gen: torch.Generator) -> torch.Tensor:
+    """The rows `idx` of uint8 `images` as a normalised, augmented float batch (policy, then crop and flip)."""
+    raw = images[idx]
+    if policy is not None:
+        raw = policy(raw, gen)
+    x = normalize(raw)
+    return augment_batch(x, gen) if augment else x
+
+
 def local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
               normalize: Callable[[torch.Tensor], torch.Tensor], epochs: int, batch_size: int, lr: float,
               momentum: float, weight_decay: float, gen: torch.Generator, augment: bool,
@@ -123,12 +134,7 @@ def local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
             idx = order[start:start + batch_size]
             if len(idx) < 2 and n >= 2:
                 continue  # BatchNorm cannot train on a single sample
-            raw = images[idx]
-            if policy is not None:
-                raw = policy(raw, gen)
-            x = normalize(raw)
-            if augment:
-                x = augment_batch(x, gen)
+            x = training_batch(images, idx, normalize, augment, policy, gen)
             y = labels[idx].to(x.device)
             loss = loss_fn(model(x), y)
             if ref is not None:
@@ -199,12 +205,7 @@ def dp_local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *
                 idx = torch.nonzero(torch.rand(n, generator=noise_gen) < sample_rate).squeeze(1)
                 if len(idx) == 0:
                     continue
-                raw = images[idx]
-                if policy is not None:
-                    raw = policy(raw, gen)
-                x = normalize(raw)
-                if augment:
-                    x = augment_batch(x, gen)
+                x = training_batch(images, idx, normalize, augment, policy, gen)
                 loss = F.cross_entropy(gsm(x), labels[idx].to(x.device))
                 opt.zero_grad(set_to_none=True)
                 if not torch.isfinite(loss):
