@@ -461,11 +461,6 @@ class FlowerTransport(Transport):
         if self.secure:
             if method is None:
                 raise ConfigError("secure aggregation needs the server's method to lay out what clients sum")
-            if cfg.dp_epsilon is not None:
-                # the round loop's privacy ledger books each client's DP-SGD steps and releases from its own result;
-                # one combined result cannot carry them (docs/flower.md)
-                raise ConfigError("--secure-aggregation with --dp-epsilon is not supported yet: the privacy "
-                                  "accountant needs each site's own result, and a secure round returns their sum")
             final_frac = getattr(method, "final_frac", 1.0) if getattr(method, "cr", False) else 1.0
             if getattr(method, "cr", False) and min(cfg.frac, final_frac if final_frac > 0 else 1.0) < 1.0:
                 log.warning("secure aggregation with frac %s (finishing round %s): the per-class row counts and the "
@@ -616,7 +611,6 @@ class FlowerTransport(Transport):
                         round_cfg.get("round"), lost, self.timeout)
         return results, cost
 
-
     def layout(self, payload: Tensors, round_cfg: dict[str, Any], ids: list[int]):
         """The round's layout (tafl.training.secagg.round_layout) from public values: the server method's model
         tensors and extras, the run config, and the largest record count among the round's clients."""
@@ -658,6 +652,11 @@ class FlowerTransport(Transport):
         in_sum = [k for k in ids if self.node_of[k] in set(res.node_ids)]  # the selection's order
         cost["answered"] = in_sum  # every client whose update is in the combined result
         plain = [res.metrics[self.node_of[k]] for k in in_sum]
+        # each client's plaintext counters (DP-SGD steps and releases: functions of its public record count), for
+        # the round loop's privacy ledger, which a combined result cannot feed
+        cost["client_metrics"] = {k: {**{m: float(v) for m, v in res.metrics[self.node_of[k]].items()
+                                         if isinstance(v, (int, float))}, "num_samples": int(self.n_of[k])}
+                                  for k in in_sum}
         cost["client_s"] = float(sum(float(m.get("seconds", 0.0)) for m in plain))
         cost["uplink_bytes"] = 8 * (cost["secure_sum"]["entries"] + 1) * len(in_sum)  # int64 masked vectors
         public_n = sum(self.n_of[client_of[n]] for n in res.node_ids)

@@ -490,7 +490,7 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     round_cfg = method.round_config(state, stats, r)
     payload = method.broadcast(state)
     results, cost = transport.train(selected, payload, round_cfg)
-    _privacy_ledger(method, book, results)
+    _privacy_ledger(method, book, results, cost)
     comm = book["communication"]
     comm["downlink_bytes"] += cost["downlink_bytes"]
     comm["uplink_bytes"] += cost["uplink_bytes"] + sum(tensor_bytes(s) for s in stats.values())
@@ -505,12 +505,14 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
         book["timing"][key] = book["timing"].get(key, 0.0) + secs
     losses = [res.metrics.get("loss", float("nan")) for res in results]
     finite = [x for x in losses if np.isfinite(x)]
-    answered = {res.client_id for res in results}
+    answered = set(cost.get("answered", [res.client_id for res in results]))  # a secure round: one combined result
     # a DP run's clients keep their loss (it is computed from their images outside the accountant): None
     mean_loss = float(np.mean(finite)) if finite else (None if method.dp else float("nan"))
     book["history"].append({"round": r, "clients": selected, "loss": mean_loss,
                             "dropped": sorted(set(state.meta.get("dropped", [])) | (set(selected) - answered)),
                             "seconds": time.perf_counter() - t_round})
+    if "secure_sum" in cost:  # SecAgg+: which clients the sum holds, entries clipped to their bounds, its seconds
+        book["history"][-1]["secure_sum"] = {k: cost["secure_sum"].get(k) for k in ("clients", "clipped", "seconds")}
     steps = sum(res.metrics.get("steps", 0.0) + res.metrics.get("nonfinite_steps", 0.0) for res in results)
     bad_steps = sum(res.metrics.get("nonfinite_steps", 0.0) for res in results)
     book["history"][-1]["nonfinite_share"] = float(bad_steps / steps) if steps else 0.0
@@ -518,18 +520,21 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     return state
 
 
-def _privacy_ledger(method: Method, book: dict[str, Any], results: list) -> None:
+def _privacy_ledger(method: Method, book: dict[str, Any], results: list, cost: dict[str, Any]) -> None:
     """Each client's DP-SGD steps and statistics releases so far, and its plan: what the accountant composes for
-    the report's ε (tafl.training.privacy.privacy_section)."""
+    the report's ε (tafl.training.privacy.privacy_section). A secure round returns one combined result; its
+    transport reports each client's counters in the cost (`client_metrics`)."""
     if not method.dp:
         return
     ledger = book.setdefault("privacy", {})
-    for r in results:
-        steps, rel = r.metrics.get("dp_steps", 0.0), r.metrics.get("dp_releases", 0.0)
+    per_client = cost.get("client_metrics") or {r.client_id: {**r.metrics, "num_samples": r.num_samples}
+                                                for r in results}
+    for cid, m in per_client.items():
+        steps, rel, n = m.get("dp_steps", 0.0), m.get("dp_releases", 0.0), int(m["num_samples"])
         if not (steps or rel):
             continue
-        e = ledger.setdefault(str(r.client_id), {"records": int(r.num_samples), "steps": 0, "releases": 0,
-                                                 "plan": method.dp_plan(int(r.num_samples)).to_dict()})
+        e = ledger.setdefault(str(cid), {"records": n, "steps": 0, "releases": 0,
+                                         "plan": method.dp_plan(n).to_dict()})
         e["steps"] += int(steps)
         e["releases"] += int(rel)
 
@@ -596,7 +601,7 @@ def _finish(method: Method, state: GlobalState, transport: Transport, round_cfg:
     ids = select_clients(transport.num_clients, round_cfg["clients_frac"], cfg.seed, round_cfg["round"])
     payload = method.broadcast(state)
     results, cost = transport.train(ids, payload, round_cfg)
-    _privacy_ledger(method, book, results)
+    _privacy_ledger(method, book, results, cost)
     _charge(book, cost)
     t0 = time.perf_counter()
     state = method.server_finish(state, results, round_cfg["round"])
@@ -605,7 +610,7 @@ def _finish(method: Method, state: GlobalState, transport: Transport, round_cfg:
     for key, secs in state.meta.pop("round_timing", {}).items():
         book["timing"][key] = book["timing"].get(key, 0.0) + secs
         own[key] = secs
-    answered = {r.client_id for r in results}
+    answered = set(cost.get("answered", [r.client_id for r in results]))  # a secure round: one combined result
     book["finish"] = {"clients": ids, "dropped": sorted(set(state.meta.get("finish_dropped", [])) | (set(ids) - answered)),
                       "seconds": time.perf_counter() - t_round, "timing": own,
                       "uplink_bytes": cost["uplink_bytes"], "downlink_bytes": cost["downlink_bytes"]}

@@ -194,3 +194,18 @@ def test_secure_aggregation_gtafl_runs_on_sums_only_and_matches_the_plaintext_ru
     assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a)
     gap = abs(secure["average_accuracy"] - plain["average_accuracy"])
     assert gap < 0.06, (secure["average_accuracy"], plain["average_accuracy"])
+    # every client of a round is in its sum: none is listed as dropped, and each round records its sum
+    assert all(h["dropped"] == [] and h["secure_sum"]["clients"] for h in secure["history"])
+
+
+def test_dp_and_secure_aggregation_together_account_every_site(tmp_path, monkeypatch):
+    """DP on top of SecAgg+: the combined result carries no site's counters, so the transport reports them and
+    the accountant books every site's steps and releases; the report states both protections."""
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    over = {**FLOWER_SMOKE, **SMOKE_GTAFL, "clients": 4, "frac": 1.0, "rounds": 1, "gs": False, "dp_epsilon": 4.0,
+            "engine": "flower", "secure_aggregation": True}
+    rep = run_flower_simulation(load_config(CONFIGS / "smoke.yaml", over), tmp_path / "dp_secure")
+    p = rep["privacy"]
+    assert p["secure_aggregation"] is True and 0 < p["epsilon"] <= 4.0 + 1e-3
+    assert sorted(p["clients"]) == ["0", "1", "2", "3"]
+    assert all(c["steps"] > 0 and c["releases"] == 2 for c in p["clients"].values())  # round 1 and the finishing round
