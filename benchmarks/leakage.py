@@ -51,8 +51,12 @@ from tafl.training.privacy import clip_rows  # noqa: E402
 from tafl.training.simulator import prepare, select_clients  # noqa: E402
 
 
+# GTAFL as a DP run can train it: no GI-GDS, no federated calibration (a config may ask for both)
+PLAIN_GTAFL = {"method": "gtafl", "gs": False, "calibration": "none", "calib_holdout": 0}
+
+
 def _method(cfg_path: str, overrides: dict, prep, noise_seed: int):
-    cfg = load_config(cfg_path, {**overrides, "method": "gtafl", "gs": False, "calibration": "none", "calib_holdout": 0})
+    cfg = load_config(cfg_path, {**overrides, **PLAIN_GTAFL})
     m = method_class("gtafl")(cfg, prep.model_cfg, prep.dataset.preprocess)
     m._noise = torch.Generator().manual_seed(noise_seed)  # a fixed draw per repeat (runs seed it from the OS)
     return m
@@ -134,7 +138,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     base = {"data_root": args.data_root}
-    cfg = load_config(args.config, {**base, "method": "gtafl", "gs": False, "calibration": "none", "calib_holdout": 0})
+    cfg = load_config(args.config, {**base, **PLAIN_GTAFL})
     prep = prepare(cfg)
     images = torch.from_numpy(prep.train.images)
     labels = torch.from_numpy(prep.train.labels)

@@ -205,17 +205,20 @@ def test_a_private_gtafl_run_states_its_guarantee_everywhere(tmp_path):
 
 @pytest.mark.slow
 def test_the_leakage_check_finds_the_counts_and_an_image_in_plaintext_and_neither_under_dp(tmp_path):
-    """benchmarks/leakage.py on the smoke federation: the census gives every site's counts exactly and a rare
-    class's mean points at the site's own image more often than chance; at ε = 1 neither holds."""
+    """benchmarks/leakage.py on the smoke data split over 20 sites (many rare cells, single images among them): the
+    census gives every site's counts exactly and a rare class's mean points at the site's own image far more often
+    than chance; at ε = 1 neither holds."""
     out = tmp_path / "leak.json"
-    r = subprocess.run([sys.executable, "benchmarks/leakage.py", "--config", str(CONFIGS / "smoke.yaml"),
+    cfg = tmp_path / "leak.yaml"
+    cfg.write_text((CONFIGS / "smoke.yaml").read_text() + "\nclients: 20\nalpha: 0.1\npartition: dirichlet\n")
+    r = subprocess.run([sys.executable, "benchmarks/leakage.py", "--config", str(cfg),
                         "--eps", "1", "--repeats", "2", "--out", str(out)], capture_output=True, text=True,
                        cwd=CONFIGS.parent, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {row["protection"]: row for row in json.loads(out.read_text())["results"]}
     plain, dp = rows["none"], rows["dp eps=1"]
     assert plain["counts_exact_share"]["mean"] == 1.0 and plain["counts_mae"]["mean"] == 0.0
-    assert plain["nearest_image_rate"]["mean"] > 2 * plain["chance_rate"]["mean"]
+    assert plain["nearest_image_rate"]["mean"] > 5 * plain["chance_rate"]["mean"]
     assert dp["counts_mae"]["mean"] > 1.0
     assert dp["nearest_image_rate"]["mean"] <= plain["nearest_image_rate"]["mean"] / 2
     assert rows["secagg"]["counts_mae"]["mean"] > 0  # per-site counts are not seen, only their total
