@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, site_rows, summary_markdown
-from tafl.training.privacy import privacy_lines
+from tafl.privacy_text import privacy_lines
 
 ORDER = ("forward50", "forward25", "forward10", "forward5", "forward2", "uniform", "backward2", "backward5",
          "backward10", "backward25", "backward50")

@@ -187,22 +187,3 @@ def privacy_section(cfg, ledger: dict[str, Any] | None, secure_aggregation: bool
             "not_protected": NOT_PROTECTED,
             "statement": f"({spent:.3g}, {float(cfg.dp_delta):.0e})-DP per training image at every site, over the "
                          "whole run (every round, every release)"}
-
-
-def privacy_lines(p: dict[str, Any] | None) -> list[str]:
-    """The card's and the report's privacy section: what leaves a site, and the guarantee on it."""
-    if not p or p.get("mechanism") in (None, "none"):
-        agg = "through SecAgg+ (the server saw sums over sites only)" if (p or {}).get("secure_aggregation") \
-            else "in plaintext"
-        return [f"No differential privacy: every site sent its model updates and statistics exactly, {agg}. "
-                "Train with `--dp-epsilon` for a stated guarantee."]
-    z = p.get("noise_multiplier") or {}
-    clip = p.get("clipping") or {}
-    out = [f"**ε = {p['epsilon']:.3g}, δ = {p['delta']:.0e}** per {p['unit']} (target ε {p.get('epsilon_target')}).", "",
-           "| | |", "|---|---|", f"| mechanism | {p['mechanism']} |", f"| accountant | {p['accountant']} |",
-           f"| noise multiplier (DP-SGD) | {z.get('min')}–{z.get('max')}; statistics × {p.get('stats_noise_ratio')} |",
-           f"| clipping | gradient norm {clip.get('gradient_norm')}, feature norm {clip.get('feature_norm_per_sqrt_dim')}·√D (D the feature dimension) |",
-           f"| secure aggregation | {'yes (SecAgg+)' if p.get('secure_aggregation') else 'no'} |"]
-    if p.get("not_protected"):
-        out += ["", "Not protected: " + "; ".join(p["not_protected"]) + "."]
-    return out

@@ -225,7 +225,7 @@ def render_markdown(r: dict[str, Any]) -> str:
                          f"{r['test_class_counts'][c]} | {pct(r['per_class_accuracy'][c])} | "
                          f"{pct(m['per_class']['recall'][c])} |")
     if r.get("privacy"):
-        from tafl.training.privacy import privacy_lines
+        from tafl.privacy_text import privacy_lines
 
         lines += ["", "## Privacy", ""] + privacy_lines(r["privacy"])
     t, cm = r.get("timing", {}), r.get("communication", {})
