@@ -41,6 +41,8 @@ def run_label(rep: dict[str, Any]) -> str:
     label = rep["method"]
     sw = rep.get("switches")
     cfg = rep.get("config", {})
+    if cfg.get("centralised"):
+        label += " [pooled, centralised]"  # one model on every site's rows: the ceiling, never a federated row
     if rep["method"] == "gtafl" and sw and sw != DEFAULT_SWITCHES:
         off = [k.upper() for k, v in sw.items() if not v]
         label += " −" + ",".join(off)

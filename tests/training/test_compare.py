@@ -99,6 +99,8 @@ def test_site_runs_get_a_per_site_table_and_the_decision_names_the_row(tmp_path)
     plain = _report("fedavg", 1, 0.3)  # a run without sites: no row in the per-site table
     assert run_label(base[0]) == "fedavg + τ on validation"
     assert run_label(local) == "fedavg + local logit adjustment 1 + τ on validation"
+    pooled = _report("fedavg", 1, 0.4, decision="validation", centralised=True)
+    assert run_label(pooled) == "fedavg [pooled, centralised] + τ on validation"  # not a seed of the FedAvg row
     assert run_label(_report("gtafl", 1, 0.4, calibration="vector")) == "gtafl + vector calibration"
     paths = [_write(tmp_path, f"r{i}", r) for i, r in enumerate([*base, local, plain])]
     text, _ = compare(paths)
