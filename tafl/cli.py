@@ -379,6 +379,36 @@ def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
 def cmd_score(ns: argparse.Namespace) -> int:
     from tafl.clients.score import print_summary, score_folder
 
+    dicomweb_only = [f for f, v in (("--study", ns.study), ("--since", ns.since), ("--modality", ns.modality),
+                                    ("--store-sr", ns.store_sr)) if v]
+    if ns.dicomweb:
+        if ns.folder:
+            raise ConfigError("give a FOLDER or --dicomweb URL, not both")
+        if ns.engine != "local" or ns.dicom_out:
+            raise ConfigError("--dicomweb scores with the local engine and files SRs back with --store-sr "
+                              "(not --engine ray or --dicom-out)")
+        from tafl.clients.dicomweb import PacsUnavailable, score_dicomweb
+
+        try:
+            summary = score_dicomweb(ns.dicomweb, ns.out, url=ns.url, package=ns.package,
+                                     token=ns.token or os.environ.get("TAFL_API_TOKEN"), model=ns.model,
+                                     studies=ns.study, since=ns.since, modality=ns.modality, store_sr=ns.store_sr,
+                                     heatmap=ns.dicom_heatmap, concurrency=ns.concurrency, batch_size=ns.batch_size,
+                                     resume=ns.resume, force=ns.force,
+                                     progress=False if ns.no_progress else None, prior=ns.prior)
+        except PacsUnavailable as exc:
+            if Path(ns.out).exists():
+                raise PacsUnavailable(f"{exc.message}. Every row in {ns.out} is complete: run the same command "
+                                      "with --resume to finish") from None
+            raise
+        print_summary(summary)
+        if ns.store_sr:
+            print(f"SRs filed to {summary['source']}: {summary['stored_sr']}; refused: {summary['sr_refused']}")
+        return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
+    if not ns.folder:
+        raise ConfigError("give the FOLDER to score, or --dicomweb URL to score from a PACS")
+    if dicomweb_only:
+        raise ConfigError(f"{', '.join(dicomweb_only)} go(es) with --dicomweb URL")
     summary = score_folder(ns.folder, ns.out, url=ns.url, package=ns.package,
                            token=ns.token or os.environ.get("TAFL_API_TOKEN"), model=ns.model,
                            concurrency=ns.concurrency, batch_size=ns.batch_size, resume=ns.resume, force=ns.force,
@@ -536,8 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "comma-separated class probabilities")
     pr.set_defaults(func=cmd_predict)
 
-    sc = sub.add_parser("score", help="score every image in a folder into a CSV or JSONL file")
-    sc.add_argument("folder", help="folder of PNG, JPEG and DICOM files (searched recursively)")
+    sc = sub.add_parser("score", help="score every image in a folder, or in a PACS over DICOMweb, into a CSV or "
+                                      "JSONL file")
+    sc.add_argument("folder", nargs="?", help="folder of PNG, JPEG and DICOM files (searched recursively)")
     sc.add_argument("--out", required=True, help="results.csv or results.jsonl")
     where = sc.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="score through a running service")
@@ -564,7 +595,17 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--gpus-per-worker", type=float, default=0.0,
                     help="--engine ray: GPUs per actor (default 0: CPU; e.g. 0.25 puts four actors on each GPU)")
     sc.add_argument("--dicom-out", metavar="DIR", help="also write a DICOM SR per DICOM input into DIR (resumable)")
-    sc.add_argument("--dicom-heatmap", action="store_true", help="with --dicom-out: the heatmap as a secondary capture")
+    sc.add_argument("--dicom-heatmap", action="store_true",
+                    help="with --dicom-out or --store-sr: the heatmap as a secondary capture too")
+    pacs = sc.add_argument_group("scoring from a PACS over DICOMweb (docs/pacs.md; credentials from "
+                                 "TAFL_DICOMWEB_TOKEN or TAFL_DICOMWEB_USER/TAFL_DICOMWEB_PASSWORD)")
+    pacs.add_argument("--dicomweb", metavar="URL", help="the PACS's DICOMweb base URL instead of a FOLDER, e.g. "
+                                                       "http://pacs:8042/dicom-web")
+    pacs.add_argument("--study", action="append", metavar="UID", help="a study to score (repeatable)")
+    pacs.add_argument("--since", metavar="YYYY-MM-DD", help="every study from that date on (QIDO StudyDate)")
+    pacs.add_argument("--modality", metavar="XX", help="only instances of that modality (e.g. CR, DX, XC)")
+    pacs.add_argument("--store-sr", action="store_true",
+                      help="file each image's DICOM SR back to the PACS (STOW-RS), before its row is written")
     sc.set_defaults(func=cmd_score)
 
     rt = sub.add_parser("retrain", help="continue training from a package's checkpoint on new or more data",

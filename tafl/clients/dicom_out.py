@@ -33,9 +33,14 @@ def _atomic(path: Path, data: bytes) -> None:
 
 
 class DicomWriter:
-    def __init__(self, out_dir: str | Path, folder: Path, scorer: Any, heatmap: bool = False):
-        self.out, self.folder, self.scorer, self.heatmap = Path(out_dir), folder, scorer, heatmap
-        self.out.mkdir(parents=True, exist_ok=True)
+    """Builds each DICOM input's SR (and SC) and, with an `out_dir`, writes them there (`write`); without one
+    (`tafl score --dicomweb --store-sr`) `objects` only builds them, for the caller to file."""
+
+    def __init__(self, out_dir: str | Path | None, folder: Path | None, scorer: Any, heatmap: bool = False):
+        self.out = None if out_dir is None else Path(out_dir)
+        self.folder, self.scorer, self.heatmap = folder, scorer, heatmap
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
         self.written = 0
         self.failed: list[tuple[str, str]] = []
         pkg = getattr(scorer, "pkg", None)
@@ -56,8 +61,7 @@ class DicomWriter:
         if row.error or sniff(src) != "dicom":
             return
         try:
-            data = src.read_bytes()
-            parts = self._remote(data) if self.algo is None else self._local(data, row)
+            parts = self.objects(src.read_bytes(), row)
         except (TaflError, OSError) as exc:
             self.failed.append((row.path, getattr(exc, "message", None) or str(exc)[:200]))
             return
@@ -66,6 +70,10 @@ class DicomWriter:
             _atomic(sc_path, parts[1])  # the SC first: the SR references it
         _atomic(sr_path, parts[0])
         self.written += 1
+
+    def objects(self, data: bytes, row: Any) -> list[bytes]:
+        """The SR's Part 10 bytes, then the heatmap SC's when asked; raises TaflError when none can be made."""
+        return self._remote(data) if self.algo is None else self._local(data, row)
 
     def _local(self, data: bytes, row: Any) -> list[bytes]:
         names = self.algo.class_names

@@ -328,16 +328,9 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
                                        gpus_per_worker=gpus_per_worker)
         if explicit is not None:
             scorer.ratio = _explicit_ratio(scorer.meta, explicit)
-    elif url:
-        scorer = RemoteScorer(url, token, model, concurrency, min(batch_size, 64),
-                                                          prior=explicit, posteriors=adaptive)
+        check_prior_support(scorer.meta, prior, adaptive, explicit)
     else:
-        scorer = LocalScorer(package, batch_size)
-        if explicit is not None:
-            scorer.ratio = _explicit_ratio(scorer.meta, explicit)
-    if (adaptive or explicit is not None) and "prior" not in scorer.meta:
-        raise ConfigError(f"--prior {prior}: the model {scorer.meta.get('name')} {scorer.meta.get('version')} was "
-                          "exported before prior-aware inference; re-export it with this tafl")
+        scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
     experts = [e["name"] for e in scorer.meta.get("experts", [])]
     results = ResultsFile(out, experts, resume=resume, force=force,
                           num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
@@ -374,21 +367,54 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     finally:
         results.close()
         scorer.close()
-    names = scorer.meta["class_names"]
+    summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo), predicted_now=predicted_now,
+                        failed=failed, skipped=[rel(p) for p in skipped], explicit=explicit, adaptive=adaptive)
+    if dicom is not None:
+        summary.update(dicom_written=dicom.written, dicom_failed=dicom.failed)
+    return summary
+
+
+def make_scorer(url: str | None, package: str | None, token: str | None, model: str | None, concurrency: int,
+                batch_size: int, prior: str) -> Any:
+    """The in-process (--package) or remote (--url) scorer, with an explicit prior's ratio set and the prior
+    mode checked against the model."""
+    mode = (prior or "train").strip().lower()
+    explicit = None if mode in ("train", "adaptive") else prior
+    if url:
+        scorer: Any = RemoteScorer(url, token, model, concurrency, min(batch_size, 64), prior=explicit,
+                                   posteriors=mode == "adaptive")
+    else:
+        scorer = LocalScorer(package, batch_size)
+        if explicit is not None:
+            scorer.ratio = _explicit_ratio(scorer.meta, explicit)
+    check_prior_support(scorer.meta, prior, mode == "adaptive", explicit)
+    return scorer
+
+
+def check_prior_support(meta: dict[str, Any], prior: str, adaptive: bool, explicit: str | None) -> None:
+    if (adaptive or explicit is not None) and "prior" not in meta:
+        raise ConfigError(f"--prior {prior}: the model {meta.get('name')} {meta.get('version')} was "
+                          "exported before prior-aware inference; re-export it with this tafl")
+
+
+def summarise(meta: dict[str, Any], counts: dict[str, int], out: Path, *, images: int, todo: int, predicted_now: int,
+              failed: list[tuple[str, str]], skipped: list[str], explicit: str | None,
+              adaptive: bool) -> dict[str, Any]:
+    """The job's summary: counts, failures, skipped inputs and the predicted class mix beside the training mix
+    (re-decided for the estimated mix with --prior adaptive)."""
+    names = meta["class_names"]
     from tafl.packaging.summary import training_shares  # the page's and the model card's rule too
 
-    train = training_shares(scorer.meta)
+    train = training_shares(meta)
     scored = sum(counts.values())
     mix = [{"class_name": n, "predicted": counts.get(n, 0),
             "predicted_share": counts.get(n, 0) / scored if scored else 0.0,
             "training_share": train[c] if train else None} for c, n in enumerate(names)]
-    summary = {"images": len(images), "scored_now": len(todo), "already_done": len(images) - len(todo),
-               "predicted": predicted_now, "predicted_in_file": scored, "failed": failed, "skipped": [rel(p) for p in skipped], "class_mix": mix,
-               "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
-    if dicom is not None:
-        summary.update(dicom_written=dicom.written, dicom_failed=dicom.failed)
+    summary = {"images": images, "scored_now": todo, "already_done": images - todo,
+               "predicted": predicted_now, "predicted_in_file": scored, "failed": failed, "skipped": skipped,
+               "class_mix": mix, "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
     if adaptive:
-        summary["prior"] = redecide_adaptive(out, scorer.meta)
+        summary["prior"] = redecide_adaptive(out, meta)
         for m in mix:
             m["adaptive_predicted"] = summary["prior"]["adaptive_counts"].get(m["class_name"], 0)
     return summary

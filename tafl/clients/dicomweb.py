@@ -1,0 +1,352 @@
+"""`tafl score --dicomweb URL`: score what a PACS holds and file the results back, over DICOMweb.
+
+    QIDO-RS (--study UID ..., or --since YYYY-MM-DD / --modality XX) -> the image instances, sorted
+    WADO-RS, `concurrency` in flight, the next batch fetched while this one is scored
+      -> scored in-process (--package) or through the service (--url): the folder job's scorers, so the rows,
+         the 4xx reasons and --prior are the same
+      -> with --store-sr: the batch's SRs (and heatmap SCs with --dicom-heatmap) in one STOW-RS
+      -> the rows appended to the results file (tafl.clients.score.ResultsFile), one line each
+
+A row is written only after its SR was filed (or refused), so a kill at any point loses nothing: `--resume` skips
+every instance already in the file and fetches it no more. An SR filed just before a kill is filed again after
+`--resume` under the same SOP Instance UID (tafl.imaging.dicom_sr derives it from the source instance and the
+model), which a PACS keeps once. Rows are keyed `STUDY/SERIES/SOP` (the UIDs, no patient data).
+
+Failures: a PACS that does not answer at the start stops the job with a clear message before anything is fetched;
+a PACS gone mid-run (no answer, 5xx, 429) is retried with exponential backoff, then the job stops, resumable; a
+STOW-RS refused (4xx, or instances in the answer's Failed SOP Sequence) marks those rows (`error: SR not stored:
+...`) and the job goes on; non-image instances (SR, presentation states, key objects, ...: by SOP class in the
+QIDO answer, or no pixel data once fetched) and tafl's own heatmap captures are skipped and counted; an instance the decoder refuses (over the
+service's size limits, corrupt) gets a row with its 4xx reason.
+
+Authentication never goes on the command line: TAFL_DICOMWEB_TOKEN (a bearer token) or TAFL_DICOMWEB_USER and
+TAFL_DICOMWEB_PASSWORD (basic auth), from the environment.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as dt
+import io
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tafl.errors import ConfigError, DataError, TaflError
+from tafl.imaging import dicom_sr
+
+log = logging.getLogger(__name__)
+
+ENV_TOKEN, ENV_USER, ENV_PASSWORD = "TAFL_DICOMWEB_TOKEN", "TAFL_DICOMWEB_USER", "TAFL_DICOMWEB_PASSWORD"
+RETRIABLE = {408, 425, 429, 500, 502, 503, 504}
+
+
+class PacsUnavailable(TaflError):
+    """The DICOMweb server did not answer (or kept answering 5xx) through every retry."""
+
+    status = 503
+
+
+class PacsRefused(TaflError):
+    """The DICOMweb server answered a request with a 4xx."""
+
+    status = 400
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, order=True)
+class InstanceRef:
+    study: str
+    series: str
+    sop: str
+    sop_class: str = ""
+    modality: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.study}/{self.series}/{self.sop}"
+
+
+def _value(rec: dict[str, Any], tag: str) -> str:
+    v = (rec.get(tag) or {}).get("Value") or [""]
+    return str(v[0])
+
+
+def session_from_env():
+    """A requests session with the environment's credentials (none when neither is set)."""
+    import requests
+
+    s = requests.Session()
+    token, user, password = (os.environ.get(k) for k in (ENV_TOKEN, ENV_USER, ENV_PASSWORD))
+    if token and user:
+        raise ConfigError(f"set either {ENV_TOKEN} or {ENV_USER}/{ENV_PASSWORD}, not both")
+    if token:
+        s.headers["Authorization"] = f"Bearer {token}"
+    elif user or password:
+        if not (user and password):
+            raise ConfigError(f"basic auth needs both {ENV_USER} and {ENV_PASSWORD}")
+        s.auth = (user, password)
+    return s
+
+
+class Pacs:
+    """A DICOMweb server through dicomweb-client: every call retried with exponential backoff on no answer, 5xx
+    and 429 (`retries` times), a 4xx raised at once as PacsRefused."""
+
+    def __init__(self, url: str, *, retries: int = 5, backoff: float = 0.5, timeout: float = 60.0):
+        from dicomweb_client.api import DICOMwebClient
+
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--dicomweb {url!r}: give the server's DICOMweb base URL, e.g. "
+                              "http://pacs:8042/dicom-web")
+        self.url, self.retries, self.backoff = url.rstrip("/"), retries, backoff
+        self.client = DICOMwebClient(self.url, session=session_from_env(), timeout=timeout)
+        self.client.set_http_retry_params(retry=False)  # ours below also covers refused connections
+
+    def call(self, what: str, fn: Callable[[], Any], retries: int | None = None) -> Any:
+        import requests
+
+        tries = (self.retries if retries is None else retries) + 1
+        last = ""
+        for attempt in range(tries):
+            try:
+                return fn()
+            except requests.HTTPError as exc:
+                code = exc.response.status_code if exc.response is not None else 0
+                detail = (exc.response.text if exc.response is not None else "")[:200].strip()
+                if code in (401, 403) and what != "STOW-RS":
+                    raise ConfigError(f"{self.url} refused {what} with {code}: check the credentials in "
+                                      f"{ENV_TOKEN} or {ENV_USER}/{ENV_PASSWORD}") from None
+                if code not in RETRIABLE:
+                    raise PacsRefused(f"{what} refused: {code} {detail}".strip(), code) from None
+                last = f"{code} {detail}".strip()
+            except (requests.ConnectionError, requests.Timeout, ConnectionError) as exc:
+                last = type(exc).__name__
+            if attempt + 1 < tries:
+                time.sleep(min(self.backoff * 2 ** attempt, 15.0))
+        raise PacsUnavailable(f"the DICOMweb server at {self.url} did not answer {what} after {tries} attempt(s) "
+                              f"({last})")
+
+    # ------------------------------------------------------------------ QIDO, WADO, STOW
+    def find(self, studies: list[str], since: str | None, modality: str | None) -> tuple[list[InstanceRef],
+                                                                                        list[InstanceRef]]:
+        """(image instances, non-image instances), each sorted, for the studies given or matching the filters."""
+        if not studies:
+            filters: dict[str, Any] = {}
+            if since:
+                filters["StudyDate"] = f"{since.replace('-', '')}-"
+            if modality:
+                filters["ModalitiesInStudy"] = modality
+            found = self.call("QIDO-RS (studies)", lambda: self.client.search_for_studies(
+                search_filters=filters, get_remaining=True), retries=min(self.retries, 2))
+            studies = sorted({_value(r, "0020000D") for r in found} - {""})
+        else:
+            self.call("QIDO-RS (studies)", lambda: self.client.search_for_studies(limit=1),
+                      retries=min(self.retries, 2))  # the server answers at all: fail fast if not
+        images, others = [], []
+        for study in studies:
+            recs = self.call("QIDO-RS (instances)", lambda s=study: self.client.search_for_instances(
+                study_instance_uid=s, fields=["00080070"], get_remaining=True))
+            for r in recs:
+                ref = InstanceRef(study, _value(r, "0020000E"), _value(r, "00080018"), _value(r, "00080016"),
+                                  _value(r, "00080060"))
+                if not ref.series or not ref.sop or (modality and ref.modality and ref.modality != modality):
+                    continue
+                ours = _value(r, "00080070") == dicom_sr.MANUFACTURER  # tafl's own SRs and heatmap captures
+                (others if ours or ref.sop_class.startswith(dicom_sr.NOT_IMAGES) else images).append(ref)
+        return sorted(set(images)), sorted(set(others))
+
+    def fetch(self, ref: InstanceRef):
+        """The instance as stored (any transfer syntax: no transcoding by the server)."""
+        return self.call("WADO-RS", lambda: self.client.retrieve_instance(
+            ref.study, ref.series, ref.sop, media_types=(("application/dicom", "*"),)))
+
+    def store(self, datasets: list[Any]) -> set[str]:
+        """STOW-RS; the SOP Instance UIDs the server refused in its answer (raises PacsRefused on a 4xx)."""
+        answer = self.call("STOW-RS", lambda: self.client.store_instances(datasets))
+        failed = getattr(answer, "FailedSOPSequence", None) or []
+        return {str(item.get("ReferencedSOPInstanceUID", "")) for item in failed}
+
+
+def _since(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return dt.date.fromisoformat(value).isoformat()
+    except ValueError:
+        raise ConfigError(f"--since {value!r}: write the date as YYYY-MM-DD") from None
+
+
+def _part10(ds) -> bytes:
+    import pydicom
+
+    buf = io.BytesIO()
+    pydicom.dcmwrite(buf, ds, enforce_file_format=False)
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------ the job
+def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, package: str | None = None,
+                   token: str | None = None, model: str | None = None, studies: list[str] | None = None,
+                   since: str | None = None, modality: str | None = None, store_sr: bool = False,
+                   heatmap: bool = False, concurrency: int = 4, batch_size: int = 16, resume: bool = False,
+                   force: bool = False, progress: bool | None = None, on_row: Callable[[Any], None] | None = None,
+                   prior: str = "train", retries: int = 5, backoff: float = 0.5) -> dict[str, Any]:
+    """Score the instances QIDO finds on `dicomweb` into `out` (see the module's text); the folder job's summary,
+    plus `stored_sr` (instances whose SR was filed) and `sr_refused`."""
+    from tafl.clients.dicom_out import DicomWriter
+    from tafl.clients.score import ResultsFile, Row, make_scorer, summarise
+
+    out = Path(out)
+    if (url is None) == (package is None):
+        raise ConfigError("give exactly one of --url URL (score through the service) or --package PKG_DIR")
+    studies = [s.strip() for s in (studies or []) if s.strip()]
+    if not (studies or since or modality):
+        raise ConfigError("--dicomweb needs --study UID (repeatable), --since YYYY-MM-DD or --modality XX: tafl "
+                          "does not score a whole archive by accident")
+    if studies and since:
+        raise ConfigError("give --study UID or --since DATE, not both (--modality narrows either)")
+    if heatmap and not store_sr:
+        raise ConfigError("--dicom-heatmap with --dicomweb goes with --store-sr (the heatmap is filed as a "
+                          "secondary capture)")
+    if concurrency < 1 or batch_size < 1:
+        raise ConfigError("--concurrency and --batch-size must be at least 1")
+    mode = (prior or "train").strip().lower()
+    adaptive = mode == "adaptive"
+    explicit = None if mode in ("train", "adaptive") else prior
+    pacs = Pacs(dicomweb, retries=retries, backoff=backoff)
+    images, others = pacs.find(studies, _since(since), modality.upper() if modality else None)
+    if not images:
+        raise DataError(f"{dicomweb} holds no image instance for this query ({len(others)} non-image instance(s))")
+    scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
+    experts = [e["name"] for e in scorer.meta.get("experts", [])]
+    results = ResultsFile(out, experts, resume=resume, force=force,
+                          num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
+    todo = [r for r in images if r.key not in results.done]
+    writer = DicomWriter(None, None, scorer, heatmap=heatmap) if store_sr else None
+    counts: dict[str, int] = dict(results.done_counts)
+    failed: list[tuple[str, str]] = []
+    skipped = [r.key for r in others]
+    state = {"predicted": 0, "stored": 0, "refused": 0}
+    chunks = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
+    from tqdm.auto import tqdm
+
+    spool = tempfile.TemporaryDirectory(prefix="tafl-dicomweb-")
+    fetchers = concurrent.futures.ThreadPoolExecutor(concurrency)
+    stage = concurrent.futures.ThreadPoolExecutor(2)  # the next batch's fetch and this batch's STOW
+
+    def fetch_chunk(chunk: list[InstanceRef]) -> list[tuple[InstanceRef, Path | None, str]]:
+        """(ref, spooled file or None, why skipped) per instance; raises PacsUnavailable."""
+        def one(ref: InstanceRef):
+            try:
+                ds = pacs.fetch(ref)
+            except PacsRefused as exc:
+                return ref, None, f"error:WADO-RS {exc.message}"
+            if not dicom_sr.is_image_object(ds) or str(ds.get("Manufacturer", "")) == dicom_sr.MANUFACTURER:
+                return ref, None, "skip"  # no pixels, or a heatmap tafl filed itself
+            path = Path(spool.name) / f"{ref.sop}.dcm"
+            path.write_bytes(_part10(ds))
+            return ref, path, ""
+        return list(fetchers.map(one, chunk))
+
+    def file_chunk(rows: list[tuple[Any, Path | None]]) -> list[Any]:
+        """STOW the batch's SRs (one request), then mark what was refused; the rows, in order."""
+        if writer is None:
+            return [r for r, _ in rows]
+        import pydicom
+
+        objects: dict[int, list[Any]] = {}
+        for i, (row, path) in enumerate(rows):
+            if row.error or path is None:
+                continue
+            try:
+                objects[i] = [pydicom.dcmread(io.BytesIO(b)) for b in writer.objects(path.read_bytes(), row)]
+            except TaflError as exc:
+                row.error = f"SR not made: {exc.message}"
+        if objects:
+            try:
+                refused = pacs.store([d for ds in objects.values() for d in ds])
+                why = "refused in the STOW-RS answer"
+            except PacsRefused as exc:
+                refused = {str(d.SOPInstanceUID) for ds in objects.values() for d in ds}
+                why = exc.message
+            for i, ds in objects.items():
+                row = rows[i][0]
+                if any(str(d.SOPInstanceUID) in refused for d in ds):
+                    row.error = f"SR not stored: {why}"
+                    state["refused"] += 1
+                else:
+                    state["stored"] += 1
+        return [r for r, _ in rows]
+
+    def file_and_clean(rows: list[tuple[Any, Path | None]]) -> list[Any]:
+        try:
+            return file_chunk(rows)
+        finally:
+            for _, path in rows:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+
+    def score_chunk(fetched: list[tuple[InstanceRef, Path | None, str]]) -> list[tuple[Any, Path | None]]:
+        keys = {p: ref.key for ref, p, _ in fetched if p is not None}
+        scored = {}
+        paths = list(keys)
+        if paths:
+            for row in scorer.score(paths, lambda p: keys[p]):
+                scored[row.path] = row
+        out_rows = []
+        for ref, path, why in fetched:
+            if why == "skip":
+                skipped.append(ref.key)
+            elif why.startswith("error:"):
+                out_rows.append((Row(ref.key, error=why[6:]), None))
+            else:
+                out_rows.append((scored[ref.key], path))
+        return out_rows
+
+    def emit(rows: list[Any], bar) -> None:
+        for row in rows:
+            results.write(row)
+            if row.error:
+                failed.append((row.path, row.error))
+            if row.label is not None:  # scored (its SR may still have been refused: the error says so)
+                counts[row.class_name] = counts.get(row.class_name, 0) + 1
+                state["predicted"] += 1
+            if on_row:
+                on_row(row)
+            bar.update(1)
+
+    try:
+        with tqdm(total=len(images), initial=len(images) - len(todo), unit="img", desc="scoring",
+                  disable=(not progress) if progress is not None else None, dynamic_ncols=True) as bar:
+            next_fetch = stage.submit(fetch_chunk, chunks[0]) if chunks else None
+            filing = None
+            for i in range(len(chunks)):
+                fetched = next_fetch.result()
+                next_fetch = stage.submit(fetch_chunk, chunks[i + 1]) if i + 1 < len(chunks) else None
+                rows = score_chunk(fetched)
+                if filing is not None:
+                    emit(filing.result(), bar)
+                filing = stage.submit(file_and_clean, rows)
+            if filing is not None:
+                emit(filing.result(), bar)
+    finally:
+        fetchers.shutdown(wait=True, cancel_futures=True)
+        stage.shutdown(wait=True, cancel_futures=True)
+        results.close()
+        scorer.close()
+        spool.cleanup()
+    summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo),
+                        predicted_now=state["predicted"], failed=failed, skipped=skipped, explicit=explicit,
+                        adaptive=adaptive)
+    summary.update(source=pacs.url, non_image=len(skipped))
+    if store_sr:
+        summary.update(stored_sr=state["stored"], sr_refused=state["refused"])
+    return summary
