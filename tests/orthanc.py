@@ -32,8 +32,9 @@ class Orthanc:
     `refuse_stow` installs a Lua filter that answers every STOW-RS with 403 (a PACS that refuses what tafl files); `modalities` maps a name to (AE title, port) on 127.0.0.1 (tafl's listener)."""
 
     def __init__(self, root: Path, *, modalities: dict[str, tuple[str, int]] | None = None,
-                 refuse_stow: bool = False, aet: str = "ORTHANC"):
+                 refuse_stow: bool = False, aet: str = "ORTHANC", users: dict[str, str] | None = None):
         self.root, self.aet = Path(root), aet
+        self.auth = next(iter(users.items())) if users else None  # what this helper's own REST calls log in as
         self.root.mkdir(parents=True, exist_ok=True)
         self.http_port, self.dicom_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
@@ -43,7 +44,8 @@ class Orthanc:
         cfg = {
             "Name": "tafl-test", "StorageDirectory": str(self.root / "db"), "IndexDirectory": str(self.root / "db"),
             "HttpPort": self.http_port, "DicomPort": self.dicom_port, "DicomAet": aet,
-            "RemoteAccessAllowed": False, "AuthenticationEnabled": False, "HttpServerEnabled": True,
+            "RemoteAccessAllowed": False, "AuthenticationEnabled": bool(users), "RegisteredUsers": users or {},
+            "HttpServerEnabled": True,
             "DicomServerEnabled": True, "DicomCheckCalledAETitle": False, "DicomAlwaysAllowStore": True,
             "DicomScuTimeout": 10, "StableAge": 1, "ConcurrentJobs": 1,
             "Plugins": [str(PLUGIN)], "DicomWeb": {"Enable": True, "Root": "/dicom-web/", "EnableWado": True},
@@ -71,7 +73,7 @@ class Orthanc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"Orthanc exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                if httpx.get(self.url + "/system", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/system", timeout=2, auth=self.auth).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -90,13 +92,13 @@ class Orthanc:
 
     # ------------------------------------------------------------------ REST
     def get(self, path: str):
-        r = httpx.get(self.url + path, timeout=60)
+        r = httpx.get(self.url + path, timeout=60, auth=self.auth)
         r.raise_for_status()
         return r.json()
 
     def post(self, path: str, body) -> httpx.Response:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = httpx.post(self.url + path, content=data, timeout=300)
+        r = httpx.post(self.url + path, content=data, timeout=300, auth=self.auth)
         r.raise_for_status()
         return r
 

@@ -153,12 +153,12 @@ class Pacs:
         images, others = [], []
         for study in studies:
             recs = self.call("QIDO-RS (instances)", lambda s=study: self.client.search_for_instances(
-                study_instance_uid=s, fields=["00080070"], get_remaining=True))
+                study_instance_uid=s, fields=["00080060", "00080070"], get_remaining=True))
             for r in recs:
                 ref = InstanceRef(study, _value(r, "0020000E"), _value(r, "00080018"), _value(r, "00080016"),
                                   _value(r, "00080060"))
-                if not ref.series or not ref.sop or (modality and ref.modality and ref.modality != modality):
-                    continue
+                if not ref.series or not ref.sop or (modality and ref.modality != modality):
+                    continue  # with --modality, an instance that states none is not that modality
                 ours = _value(r, "00080070") == dicom_sr.MANUFACTURER  # tafl's own SRs and heatmap captures
                 (others if ours or ref.sop_class.startswith(dicom_sr.NOT_IMAGES) else images).append(ref)
         return sorted(set(images)), sorted(set(others))

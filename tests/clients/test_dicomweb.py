@@ -180,6 +180,23 @@ def test_score_and_file_srs_through_dicomweb_then_resume_files_nothing_twice(gta
     assert len(list(csv.DictReader(open(again, newline="")))) == len(sent) + 1
 
 
+@pytest.mark.slow
+def test_through_the_service_the_services_srs_are_filed(server, gtafl_pkg, pacs, tmp_path):
+    from tafl.clients.dicomweb import score_dicomweb
+    from tafl.packaging import load_package
+
+    pkg = load_package(gtafl_pkg)
+    sent = _study(4, str(tmp_path))
+    _stow(pacs, sent)
+    summary = score_dicomweb(pacs.dicomweb, tmp_path / "r.csv", url=server.url, model=pkg.name,
+                             studies=[str(sent[0].StudyInstanceUID)], store_sr=True, progress=False)
+    assert summary["stored_sr"] == 4 and not summary["failed"] and summary["predicted"] == 4
+    srs = _srs(pacs)
+    assert set(srs) == {str(d.SOPInstanceUID) for d in sent}
+    for d in sent:  # the service built them (format=sr): the same SR content as in-process
+        _check_sr(srs[str(d.SOPInstanceUID)][0], d, pkg.metadata, pkg.files["model.onnx"])
+
+
 def test_a_pacs_that_is_down_at_the_start_is_one_clear_error(gtafl_pkg, tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}/dicom-web"
     code = main(["score", "--dicomweb", url, "--study", "1.2.3", "--package", str(gtafl_pkg), "--out",
@@ -257,6 +274,39 @@ def test_a_refused_stow_is_said_on_its_row_and_the_run_goes_on(gtafl_pkg, tmp_pa
                                       for r in rows)
         assert "refused: 5" in capsys.readouterr().out
         assert not [i for i in pacs.instances() if pacs.tags(i).get("Modality") == "SR"]
+    finally:
+        pacs.stop()
+
+
+def test_since_and_modality_pick_studies_and_credentials_come_from_the_environment(gtafl_pkg, tmp_path, capsys,
+                                                                                   monkeypatch):
+    pacs = Orthanc(tmp_path / "orthanc", users={"tafl": "s3cret-pacs"}).start()
+    try:
+        old, new = _study(3, str(tmp_path) + "old"), _study(6, str(tmp_path) + "new")
+        for ds in old:
+            ds.StudyDate = "20190102"
+        for ds in new:
+            ds.StudyDate = "20261201"
+        for d in old + new:
+            pacs.upload(_part10(d))
+        out = tmp_path / "r.csv"
+        args = ["score", "--dicomweb", pacs.dicomweb, "--since", "2026-01-01", "--package", str(gtafl_pkg),
+                "--out", str(out), "--no-progress"]
+        assert main(args) == 2  # no credentials: one clear line, no traceback
+        err = capsys.readouterr().err
+        assert "401" in err and "TAFL_DICOMWEB_TOKEN" in err and "Traceback" not in err
+        monkeypatch.setenv("TAFL_DICOMWEB_USER", "tafl")
+        monkeypatch.setenv("TAFL_DICOMWEB_PASSWORD", "s3cret-pacs")
+        assert main(args) == 0
+        import csv
+
+        rows = [csv_uncell(r["path"]) for r in csv.DictReader(open(out, newline=""))]
+        assert {r.split("/")[0] for r in rows} == {str(new[0].StudyInstanceUID)} and len(rows) == 6
+        mr = [d for d in new if d.get("Modality") == "MR"]
+        assert main(args[:-1] + ["--modality", "MR", "--out", str(tmp_path / "mr.csv"), "--no-progress"]) == 0
+        rows = [csv_uncell(r["path"]) for r in csv.DictReader(open(tmp_path / "mr.csv", newline=""))]
+        assert sorted(r.split("/")[2] for r in rows) == sorted(str(d.SOPInstanceUID) for d in mr) and mr
+        assert "s3cret-pacs" not in capsys.readouterr().out  # never printed
     finally:
         pacs.stop()
 
