@@ -423,3 +423,18 @@ def test_a_truncated_dicom_is_422_saying_it_is_truncated(name):
         except ServiceError as exc:
             assert exc.status == 422 and exc.message.startswith("the DICOM file is truncated: it ends inside"), \
                 (cut, exc.message)
+
+
+def test_a_transfer_syntax_is_named_the_same_whatever_the_process_imported_before():
+    """pynetdicom adds newer UIDs to pydicom's table when imported; a message must not depend on that (a Ray
+    worker and the driver gave different 415 texts for the same file)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tafl.imaging.decode import _uid_name; "
+            "print(_uid_name('1.2.840.10008.1.2.8.1'))")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    import pynetdicom  # noqa: F401  - as in a process that runs the listener
+    from tafl.imaging.decode import _uid_name
+
+    assert fresh == _uid_name("1.2.840.10008.1.2.8.1") == "Deflated Image Frame Compression"

@@ -1088,6 +1088,10 @@ def _uid_name(uid: Any) -> str | None:
     text = str(uid or "").strip("\x00 ")
     if not re.fullmatch(r"[0-9.]{1,64}", text):
         return None
+    # pynetdicom adds the UIDs newer than pydicom's table (e.g. Deflated Image Frame Compression) to that table when
+    # it is imported; import it always, so that a message does not depend on what else the process has loaded
+    import pynetdicom  # noqa: F401
+
     name = UID(text).name
     return name if re.fullmatch(r"[\w .,()\[\]'/&+-]{1,120}", name) else text
 
