@@ -144,16 +144,16 @@ class Pacs:
                 filters["StudyDate"] = f"{since.replace('-', '')}-"
             if modality:
                 filters["ModalitiesInStudy"] = modality
-            found = self.call("QIDO-RS (studies)", lambda: self.client.search_for_studies(
-                search_filters=filters, get_remaining=True), retries=min(self.retries, 2))
+            found = self.pages("QIDO-RS (studies)", lambda **kw: self.client.search_for_studies(
+                search_filters=filters, **kw), "0020000D", retries=min(self.retries, 2))
             studies = sorted({_value(r, "0020000D") for r in found} - {""})
         else:
             self.call("QIDO-RS (studies)", lambda: self.client.search_for_studies(limit=1),
                       retries=min(self.retries, 2))  # the server answers at all: fail fast if not
         images, others = [], []
         for study in studies:
-            recs = self.call("QIDO-RS (instances)", lambda s=study: self.client.search_for_instances(
-                study_instance_uid=s, fields=["00080060", "00080070"], get_remaining=True))
+            recs = self.pages("QIDO-RS (instances)", lambda s=study, **kw: self.client.search_for_instances(
+                study_instance_uid=s, fields=["00080060", "00080070"], **kw), "00080018")
             for r in recs:
                 ref = InstanceRef(study, _value(r, "0020000E"), _value(r, "00080018"), _value(r, "00080016"),
                                   _value(r, "00080060"))
@@ -162,6 +162,21 @@ class Pacs:
                 ours = _value(r, "00080070") == dicom_sr.MANUFACTURER  # tafl's own SRs and heatmap captures
                 (others if ours or ref.sop_class.startswith(dicom_sr.NOT_IMAGES) else images).append(ref)
         return sorted(set(images)), sorted(set(others))
+
+    def pages(self, what: str, search: Callable[..., list], key: str, page: int = 500,
+              retries: int | None = None) -> list[dict[str, Any]]:
+        """Every record of a QIDO search, page by page (servers cap an answer's size: dcm4chee does). Stops at a
+        short page, or at a page with nothing new: Orthanc 1.10 ignores `offset` when it filters on
+        ModalitiesInStudy, where dicomweb-client's own `get_remaining` would ask forever."""
+        out: dict[str, dict[str, Any]] = {}
+        offset = 0
+        while True:
+            got = self.call(what, lambda o=offset: search(limit=page, offset=o), retries=retries)
+            new = {_value(r, key): r for r in got if _value(r, key) not in out}
+            out.update(new)
+            if len(got) < page or not new:
+                return list(out.values())
+            offset += len(got)
 
     def fetch(self, ref: InstanceRef):
         """The instance as stored (any transfer syntax: no transcoding by the server)."""
