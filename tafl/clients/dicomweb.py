@@ -17,7 +17,8 @@ a PACS gone mid-run (no answer, 5xx, 429) is retried with exponential backoff, t
 STOW-RS refused (4xx, or instances in the answer's Failed SOP Sequence) marks those rows (`error: SR not stored:
 ...`) and the job goes on; non-image instances (SR, presentation states, key objects, ...: by SOP class in the
 QIDO answer, or no pixel data once fetched) and tafl's own heatmap captures are skipped and counted; an instance the decoder refuses (over the
-service's size limits, corrupt) gets a row with its 4xx reason.
+service's size limits, corrupt) gets a row with its 4xx reason; one whose geometry in the QIDO answer is over the
+decoder's limits is not fetched at all (in-process; through --url the service's own limits decide).
 
 Authentication never goes on the command line: TAFL_DICOMWEB_TOKEN (a bearer token) or TAFL_DICOMWEB_USER and
 TAFL_DICOMWEB_PASSWORD (basic auth), from the environment.
@@ -68,6 +69,9 @@ class InstanceRef:
     sop: str
     sop_class: str = ""
     modality: str = ""
+    rows: int = 0  # as QIDO declares them (0: not given); checked against the decoder's limits before a fetch
+    columns: int = 0
+    frames: int = 1
 
     @property
     def key(self) -> str:
@@ -77,6 +81,27 @@ class InstanceRef:
 def _value(rec: dict[str, Any], tag: str) -> str:
     v = (rec.get(tag) or {}).get("Value") or [""]
     return str(v[0])
+
+
+def _int(text: str) -> int:
+    try:
+        return max(int(float(text)), 0)
+    except ValueError:
+        return 0
+
+
+def oversized(ref: InstanceRef) -> str | None:
+    """The decoder's 413, from the geometry QIDO declares, so that an instance it would refuse is not fetched
+    (a WADO-RS answer is read whole: this is what bounds it for real images)."""
+    from tafl.imaging.decode import DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS
+
+    if ref.frames > DEFAULT_MAX_FRAMES:
+        return (f"413 PayloadTooLarge: the instance declares {ref.frames} frames, over the {DEFAULT_MAX_FRAMES}-frame "
+                "limit (not fetched)")
+    if ref.rows * ref.columns * ref.frames > DEFAULT_MAX_PIXELS:
+        return (f"413 PayloadTooLarge: the instance declares {ref.frames} frame(s) of {ref.columns}×{ref.rows} "
+                f"pixels, over the {DEFAULT_MAX_PIXELS:,}-pixel limit (not fetched)")
+    return None
 
 
 def session_from_env():
@@ -153,10 +178,12 @@ class Pacs:
         images, others = [], []
         for study in studies:
             recs = self.pages("QIDO-RS (instances)", lambda s=study, **kw: self.client.search_for_instances(
-                study_instance_uid=s, fields=["00080060", "00080070"], **kw), "00080018")
+                study_instance_uid=s, fields=["00080060", "00080070", "00280008", "00280010", "00280011"], **kw),
+                "00080018")
             for r in recs:
                 ref = InstanceRef(study, _value(r, "0020000E"), _value(r, "00080018"), _value(r, "00080016"),
-                                  _value(r, "00080060"))
+                                  _value(r, "00080060"), _int(_value(r, "00280010")), _int(_value(r, "00280011")),
+                                  max(_int(_value(r, "00280008")), 1))
                 if not ref.series or not ref.sop or (modality and ref.modality != modality):
                     continue  # with --modality, an instance that states none is not that modality
                 ours = _value(r, "00080070") == dicom_sr.MANUFACTURER  # tafl's own SRs and heatmap captures
@@ -260,6 +287,9 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     def fetch_chunk(chunk: list[InstanceRef]) -> list[tuple[InstanceRef, Path | None, str]]:
         """(ref, spooled file or None, why skipped) per instance; raises PacsUnavailable."""
         def one(ref: InstanceRef):
+            too_big = oversized(ref) if package else None  # through --url the service's own limits decide
+            if too_big:
+                return ref, None, "error:" + too_big
             try:
                 ds = pacs.fetch(ref)
             except PacsRefused as exc:

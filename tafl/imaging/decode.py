@@ -100,8 +100,12 @@ _RATIO_MIN_PIXELS, _MAX_PIXELS_PER_BYTE = 1 << 22, 1100
 FOLDER_RASTERS = {"bmp": (b"BM",), "tiff": (b"II*\x00", b"MM\x00*")}
 
 
-def decode_image(data: bytes, *, max_bytes: int = 50 * 2**20, max_pixels: int = 50_000_000,
-                 max_frames: int = 64, extra_rasters: tuple[str, ...] = ()) -> DecodedImage:
+# the upload decoder's limits unless a caller sets its own (the service's TAFL_MAX_* settings)
+DEFAULT_MAX_PIXELS, DEFAULT_MAX_FRAMES = 50_000_000, 64
+
+
+def decode_image(data: bytes, *, max_bytes: int = 50 * 2**20, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 max_frames: int = DEFAULT_MAX_FRAMES, extra_rasters: tuple[str, ...] = ()) -> DecodedImage:
     """Decode a DICOM, PNG or JPEG file (and any of `extra_rasters`, names of FOLDER_RASTERS) into uint8
     frames, or raise a 4xx ServiceError."""
     if not data:

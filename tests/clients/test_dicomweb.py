@@ -152,6 +152,7 @@ def test_score_and_file_srs_through_dicomweb_then_resume_files_nothing_twice(gta
     big_key = f"{study}/{big.SeriesInstanceUID}/{big.SOPInstanceUID}"
     assert set(rows) == set(keys) | {big_key}  # every image instance has a row; the SR is not one
     assert rows[big_key]["error"].startswith("413") and not rows[big_key]["label"]  # the 4xx reason, no SR
+    assert "not fetched" in rows[big_key]["error"]  # refused from QIDO's declared geometry, before WADO-RS
     assert all(rows[k]["label"] and not rows[k]["error"] for k in keys)
     assert "1 other file(s) skipped" in printed and "SRs filed to" in printed
 
