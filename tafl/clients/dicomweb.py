@@ -263,6 +263,10 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     mode = (prior or "train").strip().lower()
     adaptive = mode == "adaptive"
     explicit = None if mode in ("train", "adaptive") else prior
+    if adaptive:
+        from tafl.prior import adaptive_blocked
+
+        adaptive_blocked(None)  # a bad TAFL_PRIOR_ADAPTIVE fails here, before anything is fetched (as for a folder)
     pacs = Pacs(dicomweb, retries=retries, backoff=backoff)
     images, others = pacs.find(studies, _since(since), modality.upper() if modality else None)
     if not images:
