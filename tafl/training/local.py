@@ -165,6 +165,17 @@ def logit_adjusted_loss(class_counts: torch.Tensor, tau: float, floor: float = 1
     return loss
 
 
+def generator_on(gen: torch.Generator, device: torch.device) -> torch.Generator:
+    """`gen` where `device` is its device, else a generator on `device` seeded from a draw of `gen` (Opacus adds its
+    noise on the parameters' device, and torch refuses a CPU generator for a CUDA tensor): as unpredictable as
+    `gen`, and still reproducible from it where `gen` is seeded."""
+    if torch.device(device).type == gen.device.type:
+        return gen
+    out = torch.Generator(device=device)
+    out.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+    return out
+
+
 def dp_local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *,
                  normalize: Callable[[torch.Tensor], torch.Tensor], epochs: int, batch_size: int, lr: float,
                  momentum: float, weight_decay: float, gen: torch.Generator, noise_gen: torch.Generator,
@@ -193,7 +204,8 @@ def dp_local_sgd(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *
     base: torch.optim.Optimizer = (torch.optim.Adam(params, lr=lr, weight_decay=weight_decay) if optimizer == "adam"
                                    else torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay))
     opt = DPOptimizer(base, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                      expected_batch_size=max(1, int(round(sample_rate * n))), generator=noise_gen)
+                      expected_batch_size=max(1, int(round(sample_rate * n))),
+                      generator=generator_on(noise_gen, params[0].device))
     ref = None
     if prox_mu > 0 and prox_ref is not None:
         ref = [(p, prox_ref[name].to(p.device)) for name, p in model.named_parameters() if name in prox_ref]

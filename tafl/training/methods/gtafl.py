@@ -485,7 +485,7 @@ class GTAFL(Method):
         def vote(offset: np.ndarray) -> np.ndarray:
             with torch.no_grad():
                 moved = torch.softmax(logp + torch.as_tensor(offset), dim=-1).float()
-                return module.vote_from(moved)["label"].cpu().numpy()
+                return module.vote_from(moved.to(module.vote_weights.device))["label"].cpu().numpy()
 
         rec = search_operating_point(vote, labels, train_mix, logp.shape[-1], SIGNED_GRID, kind="expert_shift",
                                      criterion="the experts' vote's macro F1 under a uniform class prior")
