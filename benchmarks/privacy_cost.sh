@@ -7,7 +7,7 @@
 # DP-SGD costs 2-5x that); WIDTH=0.5 quarters the compute.
 # Usage: benchmarks/privacy_cost.sh [DATA_ROOT] [ROW ...]   ROW: gtafl | fedavg_la ; EPS="inf 8 3 1" SEEDS="1 2 3"
 #        PAR=2 (two runs side by side, one thread each), WIDTH=0.5, CONFIG=configs/sites_ham10000.yaml (with
-#        DATA_ROOT=../shared/data/ham10000: the four real sites)
+#        DATA_ROOT=../shared/data/ham10000: the four real sites), DEVICE=cuda (on a GPU machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=${1:-../shared/data/medmnist}
@@ -33,6 +33,7 @@ for r in $rows; do
     [[ $r == gtafl ]] && args+=(--gs false)
   fi
   [[ -n $width ]] && args+=(--width "$width")
+  [[ -n ${DEVICE:-} ]] && args+=(--device "$DEVICE")
   name=priv_${r}_e${e}_s${s}_${tag}
   if [[ -f benchmarks/out/$name/report.json && -z ${FORCE:-} ]]; then echo "$name: done already"; continue; fi
   threads=(); (( par > 1 )) && threads=(--threads 1)
