@@ -45,12 +45,10 @@ SHARED = Path(os.environ.get("TAFL_SHARED_DATA", REPO.parent / "shared" / "data"
 
 
 def coverage(pkg_dir: str) -> dict:
-    from types import SimpleNamespace
-
     from tafl.imaging.heatmap import overlay
     from tafl.packaging import load_package
-    from tafl.serving.app import Settings, _frame_result
-    from tafl.serving.dicom_results import _fit
+    from tafl.serving.results import frame_result, overlay_frame
+    from tafl.serving.settings import Settings
 
     pkg = load_package(pkg_dir)
     sess = pkg.session(["CPUExecutionProvider"], 1)
@@ -69,13 +67,13 @@ def coverage(pkg_dir: str) -> dict:
             continue
         res["classifiable"] += 1
         out = pkg.run(sess, pkg.preprocess(d.frames))
-        result = _frame_result(SimpleNamespace(package=pkg), out, 0)
+        result = frame_result(pkg, out, 0)
         try:
             src = dicom_sr.read_header(data)
             res["identity"] += 1
             sr, sc = dicom_sr.build(src, dicom_sr.Finding.from_result(result, algo.class_names,
                                                                       1 if len(d.frames) > 1 else None),
-                                    algo, overlay(_fit(d.frames[0]), out["heatmap"][0]))
+                                    algo, overlay(overlay_frame(d.frames[0]), out["heatmap"][0]))
             dicom_sr.to_bytes(sr), dicom_sr.to_bytes(sc)
             res["sr_and_sc"] += 1
             usable.append(p)

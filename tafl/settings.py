@@ -1,6 +1,6 @@
 """Numbers read from TAFL_* environment variables: one parser, one kind of message.
 
-Every numeric TAFL_* setting (the service's limits in `tafl.serving.app.Settings`, TAFL_MAX_CONCURRENCY,
+Every numeric TAFL_* setting (the service's limits in `tafl.serving.settings.Settings`, TAFL_MAX_CONCURRENCY,
 TAFL_DRAIN_SECONDS) goes through `env_int` or `env_float`, so a bad value is a `ConfigError` that names the
 variable and the value it got ("TAFL_MAX_FRAMES must be a whole number, got '64k'"), never a bare
 `ValueError: invalid literal for int()`. An unset or blank variable takes its default. `tafl serve` checks

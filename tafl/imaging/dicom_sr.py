@@ -82,7 +82,7 @@ class Finding:
 
     @classmethod
     def from_result(cls, result: dict[str, Any], class_names: list[str], frame: int | None = None) -> Finding:
-        """From the service's per-frame result (tafl.serving.app._frame_result) or a scoring row's facts."""
+        """From the service's per-frame result (tafl.serving.results.frame_result) or a scoring row's facts."""
         idx = {n: i for i, n in enumerate(class_names)}
         experts = [(e["name"], idx[e["class_name"]], e.get("probability")) for e in result.get("experts", [])]
         return cls(int(result["label"]), float(result["probability"]), experts, frame)

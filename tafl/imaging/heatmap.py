@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 
-def _jet(v: np.ndarray) -> np.ndarray:
+def jet(v: np.ndarray) -> np.ndarray:
     """Jet colour map: v in [0, 1] (H, W) -> uint8 (H, W, 3)."""
     v = np.clip(v, 0.0, 1.0)
     r = np.clip(1.5 - np.abs(4 * v - 3), 0, 1)
@@ -33,7 +33,7 @@ def overlay(image: np.ndarray, heat: np.ndarray, alpha: float = 0.45) -> np.ndar
     h, w = img.shape[:2]
     heat = np.nan_to_num(np.asarray(heat, np.float32), nan=0.0)
     resized = np.asarray(Image.fromarray(heat).resize((w, h), Image.Resampling.BILINEAR))
-    colour = _jet(resized).astype(np.float32)
+    colour = jet(resized).astype(np.float32)
     out = (1 - alpha) * img.astype(np.float32) + alpha * colour
     return np.clip(out, 0, 255).astype(np.uint8)
 

@@ -42,11 +42,11 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from tafl.errors import ConfigError, TaflError
 from tafl.imaging import dicom_sr
+from tafl.serving.results import frame_result, overlay_frame
 
 log = logging.getLogger("tafl.dicom")
 
@@ -141,7 +141,7 @@ class Listener:
                  heatmap: bool = False, max_queue: int = 64, workers: int = 2, threads: int | None = None,
                  settings: Any = None, deliver_retries: int = 5, retry_pause: float = 5.0):
         from tafl.packaging import load_package
-        from tafl.serving.app import Settings
+        from tafl.serving.settings import Settings
         from tafl.serving.decoding import DecodePool
 
         self.settings = settings or Settings.from_env()
@@ -276,13 +276,12 @@ class Listener:
             return self._fail(path, uid, exc)
         try:
             out = self.pkg.run(self.session, self.pkg.preprocess(decoded.frames))
-            result = _frame_result(SimpleNamespace(package=self.pkg), out, 0)
+            result = frame_result(self.pkg, out, 0)
             rgb = None
             if self.heatmap:
                 from tafl.imaging.heatmap import overlay
-                from tafl.serving.dicom_results import _fit
 
-                rgb = overlay(_fit(decoded.frames[0]), out["heatmap"][0])
+                rgb = overlay(overlay_frame(decoded.frames[0]), out["heatmap"][0])
             finding = dicom_sr.Finding.from_result(result, self.algo.class_names,
                                                    1 if len(decoded.frames) > 1 else None)
             sr, sc = dicom_sr.build(source, finding, self.algo, rgb)
@@ -389,12 +388,6 @@ def storage_classes() -> list[str]:
         if uid_to_service_class(uid) is not StorageServiceClass:
             register_uid(uid, "TaflRetired" + uid.replace(".", "_"), StorageServiceClass)
     return current + retired
-
-
-def _frame_result(model: Any, out: dict[str, Any], i: int) -> dict[str, Any]:
-    from tafl.serving.app import _frame_result as service_result  # the JSON answer's per-frame facts
-
-    return service_result(model, out, i)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from tafl.errors import BadRequest, UnsupportedMedia
 from tafl.imaging import is_dicom
 from tafl.imaging import dicom_sr
+from tafl.serving.results import overlay_frame
 
 DICOM = "application/dicom"
 
@@ -62,7 +63,7 @@ async def sr_response(model: Any, data: bytes, result: dict[str, Any], frames: l
 
     rgb = None
     if heat is not None:
-        rgb = await asyncio.to_thread(overlay, _fit(frames[0]), heat)
+        rgb = await asyncio.to_thread(overlay, overlay_frame(frames[0]), heat)
     parts = await asyncio.to_thread(render, data, result, algorithm(model), len(frames), rgb)
     headers = {"X-Request-ID": rid}
     if len(parts) == 1:
@@ -72,15 +73,3 @@ async def sr_response(model: Any, data: bytes, result: dict[str, Any], frames: l
                     for p in parts) + b"--" + boundary.encode() + b"--\r\n"
     return Response(body, headers={**headers, "Content-Type":
                                    f'multipart/related; type="{DICOM}"; boundary={boundary}'})
-
-
-def _fit(frame: np.ndarray, max_side: int = 1024) -> np.ndarray:
-    """The frame the overlay is drawn on: at most `max_side` pixels a side, as the PNG heatmap."""
-    h, w = frame.shape[:2]
-    if max(h, w) <= max_side:
-        return frame
-    from PIL import Image
-
-    s = max_side / max(h, w)
-    return np.asarray(Image.fromarray(frame).resize((max(1, int(w * s)), max(1, int(h * s)))))
-

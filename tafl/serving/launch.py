@@ -99,7 +99,7 @@ def preflight(packages: list[str], host: str = "127.0.0.1", port: int = 3000) ->
     packages with one name), verified against TAFL_TRUSTED_KEYS as the service will; then the port
     (ConfigError: "port 3000 on 127.0.0.1 is in use (by another service?); choose another with --port", a
     host that is not an IP address of this machine, a privileged port). Every message is one line."""
-    from tafl.serving.app import check_service_env
+    from tafl.serving.settings import check_service_env
 
     check_service_env()
     loaded, names = [], {}

@@ -140,5 +140,64 @@ def spec(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "the new version answers", "content": {"application/json": {
                     "schema": {"type": "object", "required": ["model", "version"]}}}},
                     **_errors(400, 401, 403, 404, 413, 429, 503)}}},
+            **oip_paths(),
         },
     }
+
+
+OIP_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+TENSOR = {"type": "object", "required": ["name", "shape", "datatype"], "properties": {
+    "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer"}},
+    "datatype": {"type": "string", "enum": ["FP32", "INT64"]},
+    "parameters": {"type": "object", "properties": {"binary_data_size": {"type": "integer"},
+                                                    "binary_data": {"type": "boolean"}}},
+    "data": {"type": "array", "items": {"type": "number"}}}}
+
+
+def _oip(summary: str, method: str = "get", body: dict[str, Any] | None = None,
+         ok: dict[str, Any] | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "tags": ["Open Inference Protocol (KServe v2)"], "responses": {
+        "200": ok or {"description": "yes"},
+        **{str(c): {"description": d, "content": {"application/json": {"schema": OIP_ERROR}}}
+           for c, d in ((400, "a bad request"), (401, "no or a wrong token"), (404, "no such model or version"),
+                        (413, "too large"), (429, "too many requests in flight"), (503, "busy or starting"))}}}
+    if body is not None:
+        op["requestBody"] = body
+    return {method: op}
+
+
+def oip_paths() -> dict[str, Any]:
+    """The Open Inference Protocol's routes (tafl.serving.oip)."""
+    json_ok = {"description": "the answer", "content": {"application/json": {"schema": {"type": "object"}}}}
+    infer_body = {"required": True, "description": "inputs: the package's preprocessed image tensor (FP32, NCHW) "
+                  "and optionally log_prior_ratio (FP32, [C] or [N, C]); outputs: which of the graph's outputs to "
+                  "return (default all but heatmap). Binary tensors follow the JSON header, whose length is the "
+                  "Inference-Header-Content-Length header.", "content": {
+                      "application/json": {"schema": {"type": "object", "required": ["inputs"], "properties": {
+                          "id": {"type": "string"}, "parameters": {"type": "object"},
+                          "inputs": {"type": "array", "items": TENSOR},
+                          "outputs": {"type": "array", "items": {"type": "object"}}}}},
+                      "application/octet-stream": {"schema": BINARY}}}
+    infer_ok = {"description": "the outputs", "content": {
+        "application/json": {"schema": {"type": "object", "required": ["model_name", "outputs"], "properties": {
+            "model_name": {"type": "string"}, "model_version": {"type": "string"}, "id": {"type": "string"},
+            "outputs": {"type": "array", "items": TENSOR}}}},
+        "application/octet-stream": {"schema": BINARY}}}
+    paths = {
+        "/v2": _oip("server metadata: name, version, extensions", ok=json_ok),
+        "/v2/health/live": _oip("the server is live"),
+        "/v2/health/ready": _oip("the server's models are loaded"),
+        "/v2/models/{name}": _oip("a model's metadata: its input and output tensors", ok=json_ok),
+        "/v2/models/{name}/ready": _oip("the model is loaded and answers"),
+        "/v2/models/{name}/infer": _oip("run the model on preprocessed image tensors", "post", infer_body, infer_ok),
+    }
+    name = {"name": "name", "in": "path", "required": True, "description": "the model's name",
+            "schema": {"type": "string", "pattern": "^[a-z0-9][-._a-z0-9]{0,62}$"}}
+    version = {"name": "version", "in": "path", "required": True, "description": "the model's version",
+               "schema": {"type": "string", "pattern": "^[0-9A-Za-z][-._+0-9A-Za-z]{0,62}$"}}
+    for route in ("/v2/models/{name}", "/v2/models/{name}/ready", "/v2/models/{name}/infer"):
+        for op in paths[route].values():
+            op["parameters"] = [name]
+        versioned = {m: {**op, "parameters": [name, version]} for m, op in paths[route].items()}
+        paths[route.replace("{name}", "{name}/versions/{version}")] = versioned
+    return paths

@@ -2,7 +2,8 @@
 
 Packages come from TAFL_PACKAGES (folders or BentoML model tags, comma-separated); they are
 loaded once per worker, verified, and run in ONNX Runtime (CUDA first, CPU second). The routes
-live in `tafl.serving.app`; BentoML adds /healthz, /livez, /readyz and /metrics, where the
+live in `tafl.serving.app` (REST), `tafl.serving.oip` (the Open Inference Protocol) and `tafl.serving.ui` (the
+page); their shared state is one ServingState per worker (tafl.serving.context), made here. BentoML adds /healthz, /livez, /readyz and /metrics, where the
 `tafl_predicted_class_total` counter shows the test-time class mix per model.
 """
 
@@ -13,9 +14,10 @@ import logging
 import bentoml
 
 from tafl.errors import ConfigError
-from tafl.serving.app import Settings, app, check_service_env, configure, max_concurrency
-from tafl.serving.app import shutdown as release_worker
+from tafl.serving.app import create_app
+from tafl.serving.context import STATE_KEY, ServingState
 from tafl.serving.runtime import ModelRegistry
+from tafl.serving.settings import Settings, check_service_env, max_concurrency
 
 log = logging.getLogger("tafl.serving")
 
@@ -50,6 +52,9 @@ CASE_MIX_SHIFT = bentoml.metrics.Gauge(
 # routes are exempt), so a flood queues no unbounded work; read at import, as the decorator needs it.
 MAX_CONCURRENCY = max_concurrency()
 
+# the ASGI app BentoML mounts; its routes are fixed, and its `state.tafl` is the worker's ServingState
+APP = create_app()
+
 
 @bentoml.service(name="tafl", resources={"gpu": 1}, workers=1,
                  traffic={"timeout": 120, "concurrency": 64, "max_concurrency": MAX_CONCURRENCY},
@@ -58,18 +63,19 @@ MAX_CONCURRENCY = max_concurrency()
                  # builds a span per request; excluding every URL makes the OpenTelemetry middleware
                  # pass requests straight through (a fifth of the event loop's time at c=32).
                  logging={"access": {"enabled": False}}, tracing={"sample_rate": 0.0, "excluded_urls": [".*"]})
-@bentoml.asgi_app(app, path="/")
+@bentoml.asgi_app(APP, path="/")
 class TaflService:
     def __init__(self) -> None:
         settings = Settings.from_env()
         self.registry = ModelRegistry(settings.packages, threads=settings.ort_threads, max_batch=settings.max_batch,
                                       max_wait_ms=settings.batch_wait_ms, prior_window=settings.prior_window,
                                       prior_refresh=settings.prior_refresh, prior_min_images=settings.prior_min_images)
-        configure(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
+        self.state = ServingState.start(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
+        setattr(APP.state, STATE_KEY, self.state)
         log.info("tafl service ready with %s (auth %s)", ", ".join(f"{m['name']} {m['version']}"
                                                                    for m in self.registry.describe()),
                  "on" if settings.token else "off")
 
     @bentoml.on_shutdown
     def shutdown(self) -> None:
-        release_worker()  # the decoder processes and their semaphores go before uvicorn ends the worker
+        self.state.close()  # the decoder processes and their semaphores go before uvicorn ends the worker

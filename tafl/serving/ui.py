@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
-import uuid
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jinja2
@@ -37,9 +36,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tafl.imaging.heatmap import _jet, overlay
+from tafl.imaging.heatmap import jet, overlay
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, plain_summary, site_rows, training_shares
 from tafl.packaging.summary import finite as _num
+from tafl.errors import TaflError
+from tafl.serving.context import STATIC_CACHE_MAX, ServingState, of
+from tafl.serving.http import error_response, request_id
+from tafl.serving.routing import Call, endpoint
 
 log = logging.getLogger("tafl.serving")
 
@@ -57,9 +60,13 @@ SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "n
 ASSUMED_GAP = 0.005
 COLOURS = {"train": "#7a869a", "served": "#1f77b4", "estimate": "#d95f02", "bar": "#2b6cb0"}
 
-_env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")),
-                          autoescape=jinja2.select_autoescape(["html"], default=True),
-                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+def _templates(st: ServingState) -> jinja2.Environment:
+    """The page's Jinja2 environment (its template cache), one per worker's state."""
+    if st.templates is None:
+        st.templates = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")),
+                                          autoescape=jinja2.select_autoescape(["html"], default=True),
+                                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    return st.templates
 
 
 def _load_assets() -> dict[str, tuple[bytes, str, str]]:
@@ -72,14 +79,7 @@ def _load_assets() -> dict[str, tuple[bytes, str, str]]:
     return out
 
 
-ASSETS = _load_assets()
-
-
-def _api():
-    """tafl.serving.app, imported when first needed: it imports this module for its route list."""
-    from tafl.serving import app
-
-    return app
+ASSETS = MappingProxyType(_load_assets())  # read-only: the files ship with tafl
 
 
 # ------------------------------------------------------------------ formatting
@@ -96,18 +96,13 @@ def _markdown():
     return MarkdownIt("js-default")
 
 
-_md = None
-_md_lock = threading.Lock()
-
-
-def render_card(text: str) -> Markup:
+def render_card(st: ServingState, text: str) -> Markup:
     """A model card (Markdown) as safe HTML: raw HTML in it is escaped, not passed through."""
-    global _md
-    with _md_lock:
-        if _md is None:
-            _md = _markdown()
+    with st.page_lock:
+        if st.markdown is None:
+            st.markdown = _markdown()
         try:
-            return Markup(_md.render(text))
+            return Markup(st.markdown.render(text))
         except Exception:  # noqa: BLE001 - a card the renderer chokes on is still shown, as text
             log.warning("model card could not be rendered as Markdown; shown as text", exc_info=True)
             return Markup("<pre>") + escape(text) + Markup("</pre>")
@@ -204,7 +199,7 @@ def heatmap_legend() -> Markup:
     import numpy as np
 
     W, H, left, right, bar_y, bar_h = 360, 40, 8, 8, 4, 14
-    stops = _jet(np.linspace(0.0, 1.0, 11)[None, :])[0]
+    stops = jet(np.linspace(0.0, 1.0, 11)[None, :])[0]
     alpha = inspect.signature(overlay).parameters["alpha"].default
     grad = "".join(f'<stop offset="{i / (len(stops) - 1):.2f}" stop-color="#{r:02x}{g:02x}{b:02x}"/>'
                    for i, (r, g, b) in enumerate(stops.tolist()))
@@ -228,10 +223,10 @@ HEATMAP_LEGEND = heatmap_legend()
 
 
 # ------------------------------------------------------------------ what the panel shows
-def predicted_counts(name: str, version: str) -> dict[str, float]:
+def predicted_counts(st: ServingState, name: str, version: str) -> dict[str, float]:
     """Predictions per class of one model version since the worker started: the samples of the
     `tafl_predicted_class` counter that /metrics exports (this worker's; the service runs one)."""
-    counter = _api().state.counter
+    counter = st.counter
     if counter is None:
         return {}
     out: dict[str, float] = {}
@@ -266,10 +261,6 @@ def _signature(pkg) -> str:
     return "unsigned; signatures are not required here (no TAFL_TRUSTED_KEYS)"
 
 
-_static_cache: dict[tuple, dict[str, Any]] = {}
-_static_lock = threading.Lock()
-
-
 def privacy_summary(p: dict[str, Any] | None) -> str:
     """One line for people: the guarantee the training gave each site's images, or that there was none."""
     if not p or p.get("epsilon") is None:
@@ -279,14 +270,14 @@ def privacy_summary(p: dict[str, Any] | None) -> str:
     return f"ε = {p['epsilon']:.3g}, δ = {p['delta']:.0e} per {p.get('unit') or 'record'} ({p.get('accountant', '')}{agg})"
 
 
-def _static_view(model, index: int) -> dict[str, Any]:
+def _static_view(st: ServingState, model, index: int) -> dict[str, Any]:
     """The parts of a model's panel that change only with the package: rendered once per loaded package."""
     pkg = model.package
     # by content (the verified digests), not object identity: a reload of the same version with other files
     # renders anew, and a freed package's id reused by another cannot bring back its view
     key = (index, pkg.name, pkg.version, tuple(sorted(pkg.files.items())), pkg.signed_by)
-    with _static_lock:
-        hit = _static_cache.get(key)
+    with st.page_lock:
+        hit = st.page_cache.get(key)
     if hit is not None:
         return hit
     meta = pkg.metadata
@@ -332,24 +323,24 @@ def _static_view(model, index: int) -> dict[str, Any]:
             {"index": i, "name": c, "train_images": counts[i] if i < len(counts) and counts[i] is not None else "—",
              "accuracy": pct(per_class[i] if i < len(per_class) else None),
              "train_share": shares[i], "assumed": assumed[i]} for i, c in enumerate(names)],
-        "card": render_card(pkg.card),
+        "card": render_card(st, pkg.card),
         "intended_use": meta.get("intended_use"),
         "summary": plain_summary(meta), "distributions_note": DISTRIBUTIONS_NOTE, "assumed_differs": differs,
         "site_rows": [{**r, **{k: pct(r[k]) for k in ("own", "own_balanced", "adapted", "oracle")}}
                       for r in site_rows(meta)], "sites_note": SITES_NOTE,
     }
-    with _static_lock:
-        if len(_static_cache) > 64:  # reloads leave old versions behind
-            _static_cache.clear()
-        _static_cache[key] = view
+    with st.page_lock:
+        if len(st.page_cache) > STATIC_CACHE_MAX:  # reloads leave old versions behind
+            st.page_cache.clear()
+        st.page_cache[key] = view
     return view
 
 
-def _live_view(model, static: dict[str, Any]) -> dict[str, Any]:
+def _live_view(st: ServingState, model, static: dict[str, Any]) -> dict[str, Any]:
     """The served case mix: predicted-class shares from the counter, and the EM estimate with its drift."""
     pkg = model.package
     names = pkg.class_names
-    counts = predicted_counts(pkg.name, pkg.version)
+    counts = predicted_counts(st, pkg.name, pkg.version)
     total = sum(counts.values())
     served = [counts.get(c, 0.0) / total if total else None for c in names]
     train = [r["train_share"] for r in static["class_rows"]]
@@ -378,20 +369,19 @@ def _live_view(model, static: dict[str, Any]) -> dict[str, Any]:
             "mix_svg": mix_chart(names, series, f"{static['uid']}-mix", f"{pkg.name} {pkg.version}")}
 
 
-def panel_html() -> str:
+def panel_html(st: ServingState) -> str:
     """The models and the try-an-image form, as an HTML fragment."""
-    api = _api()
-    registry = api.state.registry
+    registry = st.registry
     with registry.lock:
         loaded = [registry.models[n] for n in registry.order]
     models = []
     for i, m in enumerate(loaded):
-        static = _static_view(m, i)
-        models.append({**static, **_live_view(m, static), "providers": ", ".join(m.providers),
+        static = _static_view(st, m, i)
+        models.append({**static, **_live_view(st, m, static), "providers": ", ".join(m.providers),
                        "source": _source_label(m.source),
                        "loaded_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.loaded_at))})
-    s = api.state.settings
-    return _env.get_template("panel.html").render(models=models, max_mb=f"{s.max_upload_bytes / 2**20:g}",
+    s = st.settings
+    return _templates(st).get_template("panel.html").render(models=models, max_mb=f"{s.max_upload_bytes / 2**20:g}",
                                                   max_frames=s.max_frames, pct=pct, legend=HEATMAP_LEGEND)
 
 
@@ -408,41 +398,33 @@ def _page_context(protected: bool, panel: str | None) -> dict[str, Any]:
 
 async def page(request: Request) -> Response:
     """GET /: the whole page; with TAFL_API_TOKEN set, only the shell and the token form."""
-    api = _api()
     start = time.perf_counter()
-    rid = uuid.uuid4().hex[:16]
+    rid = request_id()
     try:
-        protected = api.state.settings.token is not None
-        panel = None if protected else panel_html()
-        return _html(_env.get_template("page.html").render(**_page_context(protected, panel)), start)
+        st = of(request)
+        protected = st.settings.token is not None
+        panel = None if protected else panel_html(st)
+        return _html(_templates(st).get_template("page.html").render(**_page_context(protected, panel)), start)
     except Exception as exc:  # noqa: BLE001 - the API's JSON error, never a traceback
-        log.error("page %s failed: %s", rid, type(exc).__name__, exc_info=exc)
-        return api._error(exc, rid)
+        if not isinstance(exc, TaflError):
+            log.error("page %s failed: %s", rid, type(exc).__name__, exc_info=exc)
+        return error_response(exc, rid)
 
 
-async def panel(request: Request) -> Response:
+@endpoint("/ui/panel", audited=False, what="the page's model panel")
+async def panel(request: Request, call: Call) -> Response:
     """GET /ui/panel: the models and the form as an HTML fragment; with a token, only for its bearer."""
-    api = _api()
-    start = time.perf_counter()
-    rid = uuid.uuid4().hex[:16]
-    try:
-        api._check_auth(request, api.state.settings.token, "the page's model panel")
-        return _html(panel_html(), start)
-    except Exception as exc:  # noqa: BLE001
-        if not isinstance(exc, api.TaflError):
-            log.error("panel %s failed: %s", rid, type(exc).__name__, exc_info=exc)
-        return api._error(exc, rid)
+    return _html(panel_html(call.state), call.start)
 
 
 async def asset(request: Request) -> Response:
     """GET /ui/static/NAME: the page's stylesheet and script (public: they hold no model data)."""
-    api = _api()
     hit = ASSETS.get(request.path_params["name"])
     if hit is None:
         from tafl.errors import NotFound
 
-        return api._error(NotFound("no such page asset; the page uses ui/static/ui.css and ui/static/ui.js"),
-                          uuid.uuid4().hex[:16])
+        return error_response(NotFound("no such page asset; the page uses ui/static/ui.css and ui/static/ui.js"),
+                              request_id())
     data, ctype, _ = hit
     return Response(data, media_type=ctype, headers={"Cache-Control": "public, max-age=86400",
                                                      "X-Content-Type-Options": "nosniff"})

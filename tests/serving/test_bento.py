@@ -45,7 +45,7 @@ def test_bento_builds_offline_and_serves_its_model(gtafl_pkg, tmp_path):
 
 
 def test_package_list_keeps_tags_whole(monkeypatch):
-    from tafl.serving.app import Settings
+    from tafl.serving.settings import Settings
 
     monkeypatch.setenv("TAFL_PACKAGES", "tafl-model:1_0_0, /srv/pkgs/derm ,ham-dafl")
     assert Settings.from_env().packages == ["tafl-model:1_0_0", "/srv/pkgs/derm", "ham-dafl"]

@@ -189,7 +189,7 @@ def test_a_message_past_the_upload_cap_aborts_its_association_before_it_is_held(
     the message is never gathered whole, nothing is spooled, and the listener serves the next sender."""
     from pynetdicom import AE
 
-    from tafl.serving.app import Settings
+    from tafl.serving.settings import Settings
     from tafl.serving.dicom_listener import Destination, Listener
 
     monkeypatch.setenv("TAFL_MAX_UPLOAD_MB", "1")

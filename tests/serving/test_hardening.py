@@ -170,7 +170,12 @@ def test_the_service_publishes_its_openapi_document(tight):
     assert r.status_code == 200
     doc = r.json()
     assert doc == json.loads(json.dumps(spec(__version__)))
-    assert set(doc["paths"]) == {"/predict", "/predict/batch", "/heatmap", "/models", "/admin/reload"}
+    assert {p for p in doc["paths"] if not p.startswith("/v2")} == {"/predict", "/predict/batch", "/heatmap", "/models",
+                                                                    "/admin/reload"}
+    assert {"/v2", "/v2/health/ready", "/v2/models/{name}", "/v2/models/{name}/infer"} <= set(doc["paths"])
+    # a path under /v2 that no route serves answers the Open Inference Protocol's JSON error
+    r = httpx.get(f"{tight.url}/v2/models/a/b/c/d", timeout=30)
+    assert r.status_code == 404 and set(r.json()) == {"error"}
 
 
 def test_every_hostile_class_is_refused_by_the_live_service_in_bounded_memory(tight):

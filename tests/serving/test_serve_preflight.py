@@ -55,7 +55,7 @@ def _tafl_serve(args: list[str], env: dict[str, str], timeout: float = 120) -> s
     ("TAFL_PRIOR_ADAPTIVE", "sometimes", "TAFL_PRIOR_ADAPTIVE must be checked or always"),
 ])
 def test_a_bad_tafl_setting_is_one_config_error_naming_it(monkeypatch, name, bad, says):
-    from tafl.serving.app import check_service_env
+    from tafl.serving.settings import check_service_env
 
     monkeypatch.setenv(name, bad)
     if says is None:
@@ -67,7 +67,7 @@ def test_a_bad_tafl_setting_is_one_config_error_naming_it(monkeypatch, name, bad
 
 
 def test_settings_read_their_numbers(monkeypatch):
-    from tafl.serving.app import Settings
+    from tafl.serving.settings import Settings
 
     for k in ("TAFL_MAX_FRAMES", "TAFL_ORT_THREADS", "TAFL_MAX_PIXELS", "TAFL_MAX_UPLOAD_MB"):
         monkeypatch.delenv(k, raising=False)

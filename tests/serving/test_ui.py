@@ -407,7 +407,7 @@ def test_browser_page_and_png_upload(page, server, gtafl_pkg, tmp_path):
     # the heatmap's colour legend is shown with it, drawn from the colour map the overlay uses
     import numpy as np
 
-    from tafl.imaging.heatmap import _jet
+    from tafl.imaging.heatmap import jet
 
     legend = page.find_element(By.ID, "heatmap-legend")
     assert legend.is_displayed() and legend.size["width"] > 100
@@ -415,7 +415,7 @@ def test_browser_page_and_png_upload(page, server, gtafl_pkg, tmp_path):
     stops = page.execute_script("return [...document.querySelectorAll('#heatmap-legend stop')].map("
                                 "s => [parseFloat(s.getAttribute('offset')), s.getAttribute('stop-color')])")
     assert [o for o, _ in stops] == pytest.approx(np.linspace(0, 1, len(stops)), abs=0.006) and len(stops) >= 5
-    want_colours = ["#%02x%02x%02x" % tuple(c) for c in _jet(np.array([[o for o, _ in stops]]))[0].tolist()]
+    want_colours = ["#%02x%02x%02x" % tuple(c) for c in jet(np.array([[o for o, _ in stops]]))[0].tolist()]
     assert [c for _, c in stops] == want_colours
     assert want_colours[0] == "#00007f" and want_colours[-1] == "#7f0000"  # dark blue: low; dark red: high
 

@@ -1,0 +1,82 @@
+"""The service's settings, read once from the TAFL_* environment (docs/guide.md lists each): upload and decode
+limits, batching, the request timeout, tokens and the package list. A bad value is a ConfigError naming its
+variable, raised before anything starts (`check_service_env`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from tafl.serving.decoding import default_processes
+from tafl.settings import env_float, env_int
+
+DEFAULT_PACKAGE = "tafl-model:latest"
+
+
+@dataclass
+class Settings:
+    packages: list[str]
+    token: str | None = None  # bearer token for /predict, /heatmap, /models; None: open
+    admin_token: str | None = None  # bearer token for /admin/reload (TAFL_ADMIN_TOKEN only); None: reload disabled
+    package_root: str | None = None  # folders /admin/reload may load lie inside it; None: BentoML tags only
+    max_upload_bytes: int = 50 * 2**20
+    max_pixels: int = 50_000_000
+    max_frames: int = 64
+    max_batch_files: int = 64  # images in one /predict/batch request
+    timeout_s: float = 30.0
+    max_batch: int = 64
+    batch_wait_ms: float = 2.0
+    ort_threads: int | None = None
+    audit_path: str | None = None
+    prior_window: int = 500  # calibrated probability vectors kept per model for the case-mix estimate
+    prior_refresh: int = 50  # served images between two estimates
+    prior_min_images: int = 100  # fewer images behind the estimate: prior=adaptive falls back to the source prior
+    max_request_frames: int = 256  # decoded frames in one request, all its files together (/predict/batch)
+    max_request_pixels: int = 100_000_000  # decoded pixels in one request, all its files together
+    decode_processes: int = field(default_factory=default_processes)  # DICOM decoder processes; 0: threads
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """The settings in the TAFL_* environment variables; a bad number is a ConfigError naming its variable
+        (tafl.settings)."""
+        env = os.environ
+        # commas only: a BentoML tag `name:version` contains os.pathsep on POSIX. Unset, the service
+        # serves the store model bentofile.yaml bundles (`bentoml serve tafl:latest` does not apply
+        # the bento's envs outside a container)
+        refs = [r.strip() for r in env.get("TAFL_PACKAGES", DEFAULT_PACKAGE).split(",") if r.strip()]
+        token = env.get("TAFL_API_TOKEN") or None
+        # the admin token never falls back to the API token: a client that may predict may not swap the model
+        return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or None,
+                   package_root=env.get("TAFL_PACKAGE_ROOT", "").strip() or None,
+                   max_upload_bytes=int(env_float("TAFL_MAX_UPLOAD_MB", 50.0) * 2**20),
+                   max_pixels=env_int("TAFL_MAX_PIXELS", 50_000_000),
+                   max_frames=env_int("TAFL_MAX_FRAMES", 64),
+                   max_batch_files=env_int("TAFL_MAX_BATCH_FILES", 64),
+                   timeout_s=env_float("TAFL_REQUEST_TIMEOUT_S", 30.0),
+                   max_batch=env_int("TAFL_MAX_BATCH", 64),
+                   batch_wait_ms=env_float("TAFL_BATCH_WAIT_MS", 2.0, inclusive=True),
+                   ort_threads=env_int("TAFL_ORT_THREADS", 0, minimum=0) or None,  # 0 or unset: ONNX Runtime's own
+                   audit_path=env.get("TAFL_AUDIT_LOG") or None,
+                   prior_window=env_int("TAFL_PRIOR_WINDOW", 500),
+                   prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
+                   prior_min_images=env_int("TAFL_PRIOR_MIN_IMAGES", 100),
+                   max_request_frames=env_int("TAFL_MAX_REQUEST_FRAMES", 256),
+                   max_request_pixels=env_int("TAFL_MAX_REQUEST_PIXELS", 100_000_000),
+                   decode_processes=env_int("TAFL_DECODE_PROCESSES", default_processes(), minimum=0))
+
+
+def max_concurrency() -> int:
+    """TAFL_MAX_CONCURRENCY (default 128): requests in flight past which BentoML answers 429."""
+    return env_int("TAFL_MAX_CONCURRENCY", 128)
+
+
+def check_service_env() -> Settings:
+    """Every TAFL_* setting the service reads at start, checked: the Settings, TAFL_MAX_CONCURRENCY and
+    TAFL_PRIOR_ADAPTIVE. ConfigError (one line naming the variable) on the first bad one; `tafl serve`
+    calls it before anything starts, the service module when BentoML imports it."""
+    from tafl.prior import adaptive_blocked
+
+    settings = Settings.from_env()
+    max_concurrency()
+    adaptive_blocked(None)
+    return settings
