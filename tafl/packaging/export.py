@@ -34,7 +34,7 @@ from tafl.packaging.card import render_card
 from tafl.packaging.package import SCHEMA, ModelPackage, bump_minor, load_package, write_checksums
 from tafl.imaging import Preprocess
 from tafl.training.ensemble import ExpertEnsemble, vote_weights
-from tafl.training.explain import _to_image, install_taps, rollout_from, vit_grid
+from tafl.training.explain import maps_to_image, install_taps, rollout_from, vit_grid
 from tafl.training.models import Classifier, ModelConfig, build_model
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class _Features(nn.Module):
         if self.is_vit:
             return rollout_from(aux, int(self.extractor.num_prefix_tokens), vit_grid(self.extractor), size)
         cam = torch.relu((class_weight[:, :, None, None] * aux).sum(dim=1))[:, None]
-        return _to_image(cam, size)
+        return maps_to_image(cam, size)
 
 
 class _PriorAdaptation(nn.Module):

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from tafl.errors import DataError
 from tafl.training.longtail import DISTRIBUTION_NAMES
-from tafl.training.report import SHORT, _pyplot
+from tafl.training.report import SHORT, pyplot
 
 DEFAULT_SWITCHES = {"cr": True, "en": True, "cl": True, "gs": True}
 Reports = list[dict[str, Any]]
@@ -248,7 +248,7 @@ def compare(paths: list[str | Path], labels: list[str] | None = None) -> tuple[s
 
 def plot_groups(path: Path, groups: dict[str, Reports]) -> None:
     """One line per row (mean over its runs) with a ± sd band where a row holds several runs."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     x = list(range(len(DISTRIBUTION_NAMES)))
     for lab, reps in groups.items():

@@ -74,10 +74,10 @@ def rollout_from(attns: list[torch.Tensor], num_prefix: int, grid: tuple[int, in
     total = cls.sum(dim=-1, keepdim=True)
     uniform = torch.full_like(cls, 1.0 / cls.shape[-1])
     cls = torch.where(total > 1e-12, cls / total.clamp_min(1e-12), uniform)
-    return _to_image(cls.reshape(-1, 1, grid[0], grid[1]), size)
+    return maps_to_image(cls.reshape(-1, 1, grid[0], grid[1]), size)
 
 
-def _to_image(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+def maps_to_image(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """(B, 1, h, w) -> (B, H, W) scaled so each map's maximum is 1."""
     up = F.interpolate(maps, size=size, mode="bilinear", align_corners=False)[:, 0]
     peak = up.amax(dim=(1, 2), keepdim=True)
@@ -114,7 +114,7 @@ def class_activation_map(cnn: nn.Module, weight: torch.Tensor, x: torch.Tensor, 
     maps = cnn.forward_maps(x)  # (B, D, h, w)
     w = weight[target]  # (B, D)
     cam = torch.relu(torch.einsum("bd,bdhw->bhw", w, maps))[:, None]
-    return _to_image(cam, tuple(x.shape[-2:]))
+    return maps_to_image(cam, tuple(x.shape[-2:]))
 
 
 def explain_checkpoint(checkpoint: str | Path, image: str | Path, out: str | Path, kind: str = "rollout") -> dict:

@@ -46,7 +46,7 @@ def write_report(out: Path, report: dict[str, Any], outputs: dict[str, Any] | No
 
 
 def plot_confusion(path: Path, cm: np.ndarray, names: list[str]) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(names), 1.0 + 0.7 * len(names)))
     rows = cm / np.clip(cm.sum(1, keepdims=True), 1, None)
     ax.imshow(rows, cmap="Blues", vmin=0, vmax=1)
@@ -67,7 +67,7 @@ def plot_confusion(path: Path, cm: np.ndarray, names: list[str]) -> None:
 def plot_roc(path: Path, probs: np.ndarray, labels: np.ndarray, names: list[str]) -> None:
     from sklearn.metrics import auc, roc_curve
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
     for c, name in enumerate(names):
         if not (labels == c).any() or (labels == c).all():
@@ -84,7 +84,7 @@ def plot_roc(path: Path, probs: np.ndarray, labels: np.ndarray, names: list[str]
     plt.close(fig)
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,7 +250,7 @@ def _f(v: float | None) -> str:
 
 
 def plot_accuracy(path: Path, reports: dict[str, dict[str, Any]], key: str = "accuracy") -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     x = list(range(len(DISTRIBUTION_NAMES)))
     for label, rep in reports.items():
