@@ -10,7 +10,8 @@
 # Everything it writes for the caller goes to $OUT (at most 8 files).
 # Preparing $STAGE (2026-12-04, docs/results.md §18): the machine has torch (with CUDA 13's libraries), numpy, onnx
 # and CPU onnxruntime, and no network. `pip download --no-deps --only-binary=:all: --python-version 3.12` of tafl's
-# other dependencies (bentoml and its own, pydicom, highdicom, opacus, dp-accounting, medmnist, ...) makes whl/
+# other dependencies (bentoml and its own, pydicom, highdicom, opacus, dp-accounting, medmnist, and for the OIP test
+# tritonclient[http] with geventhttpclient, gevent and zope.*, ...) makes whl/
 # (about 28 MiB); onnxruntime-gpu's wheel (256 MB) is over the 64 MiB a call may carry, so its files go as an
 # xz-packed tar (194 MiB) split in parts, one carried folder per call into /tmp/stage on the warm machine, and the
 # last call joins them and checks their sha256 before this script runs.
@@ -54,7 +55,7 @@ for job in $PRIV_JOBS; do
   dps+=($!)
 done
 timeout $(( $(left) - 40 )) python3 -m pytest -q -p no:cacheprovider tests/serving/test_service.py \
-  tests/serving/test_dicom_sr_service.py tests/packaging tests/training/test_cuda.py -o faulthandler_timeout=120 > "$OUT/pytest.log" 2>&1
+  tests/serving/test_dicom_sr_service.py tests/serving/test_oip.py tests/packaging tests/training/test_cuda.py -o faulthandler_timeout=120 > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
 wait "${dps[@]}"
 echo "privacy rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
