@@ -6,6 +6,7 @@ and the page's caches). The BentoML service creates one in its __init__ and hang
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from typing import Any
@@ -104,8 +105,6 @@ class ServingState:
             if ratio is None or np.ndim(ratio) == 1:
                 out = await model.batcher.submit(x, ratio)
             else:  # a prior per row: each row its own submission, gathered back in order
-                import asyncio
-
                 parts = await asyncio.gather(*(model.batcher.submit(x[i:i + 1], ratio[i]) for i in range(len(x))))
                 out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         finally:
@@ -119,8 +118,6 @@ class ServingState:
     async def classify(self, model: LoadedModel, frames: list[np.ndarray],
                        ratio: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Decoded frames -> the graph's outputs: the package's preprocessing (in a thread when large), then `run`."""
-        import asyncio
-
         pre = model.package.preprocess
         size = sum(f.size for f in frames)
         x = pre(frames) if size <= INLINE_BYTES else await asyncio.to_thread(pre, frames)

@@ -46,8 +46,8 @@ META_TYPES = {"float32": "FP32", "int64": "INT64"}
 
 
 def _oip_error(exc: Exception, call: Call) -> Response:
-    status = error_status(exc)[0]
-    resp = JSONResponse({"error": error_status(exc)[2]}, status, headers={"X-Request-ID": call.rid})
+    status, _, message = error_status(exc)
+    resp = JSONResponse({"error": message}, status, headers={"X-Request-ID": call.rid})
     if status == 503:
         resp.headers["Retry-After"] = "1"
     return resp

@@ -64,26 +64,23 @@ def endpoint(route: str, *, auth: bool = True, audited: bool = True, timeout: bo
                 exc: Exception = ServiceUnavailable(f"the request took longer than {limit:g} s; {timeout_hint}")
             except Exception as e:  # noqa: BLE001 - every failure becomes a JSON answer
                 exc = e
-            if on_error is not None and not isinstance(exc, ClientDisconnect):
-                if audited:
-                    audit(**call.audit, status=error_status(exc)[0], error=error_status(exc)[1], timing_ms=call.ms())
-                return on_error(exc, call)
-            return fail(exc, call, audited)
+            return fail(exc, call, audited, on_error)
 
         return run
 
     return wrap
 
 
-def fail(exc: Exception, call: Call, audited: bool = True) -> Response:
-    """The error answer for `exc`: a 4xx/5xx JSON body (a 499 without a body when the client left), logged when
-    it is the service's fault, and one audit line."""
+def fail(exc: Exception, call: Call, audited: bool = True,
+         render: Callable[[Exception, Call], Response] | None = None) -> Response:
+    """The error answer for `exc`: a 4xx/5xx JSON body (`render`'s form where given; a 499 without a body when the
+    client left), logged when it is the service's fault, and one audit line."""
     if isinstance(exc, ClientDisconnect):  # nobody is left to answer: no 500, no traceback, one audit line
         log.info("request %s: the client disconnected before its upload was complete", call.rid)
         if audited:
             audit(**call.audit, status=499, error="ClientDisconnected", timing_ms=call.ms())
         return Response(status_code=499, headers={"X-Request-ID": call.rid})
-    resp = error_response(exc, call.rid)
+    resp = render(exc, call) if render is not None else error_response(exc, call.rid)
     if resp.status_code >= 500 and not isinstance(exc, ServiceUnavailable):
         log.error("request %s failed: %s", call.rid, type(exc).__name__, exc_info=exc)
     if audited:
