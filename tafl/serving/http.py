@@ -112,3 +112,28 @@ def error_response(exc: Exception, rid: str) -> JSONResponse:
 def audit(**fields: Any) -> None:
     """One JSON line per request in the audit log (no patient data: ids, model, label, status, timing)."""
     audit_log.info(json.dumps({"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}))
+
+
+class ControlCharacterGuard:
+    """ASGI middleware over the whole BentoML app: a request whose path holds a control character (a percent-
+    encoded newline, say) is answered 400 in the service's JSON error shape. BentoML mounts the app with a
+    pattern that does not match a newline, so such a path otherwise falls through to BentoML's plain-text 404,
+    which no route documents. Paths under /v2 get the Open Inference Protocol's {"error": "..."} instead."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" else ""
+        bad = next((c for c in path if ord(c) < 0x20 or ord(c) == 0x7F), None)
+        if bad is None:
+            await self.app(scope, receive, send)
+            return
+        message = (f"the request path holds a control character (U+{ord(bad):04X}); "
+                   "no route, model name or version contains one")
+        rid = request_id()
+        if path == "/v2" or path.startswith("/v2/"):  # the Open Inference Protocol's error shape
+            resp: _StarletteJSON = JSONResponse({"error": message}, 400, headers={"X-Request-ID": rid})
+        else:
+            resp = error_response(BadRequest(message), rid)
+        await resp(scope, receive, send)

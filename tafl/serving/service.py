@@ -16,6 +16,7 @@ import bentoml
 from tafl.errors import ConfigError
 from tafl.serving.app import create_app
 from tafl.serving.context import STATE_KEY, ServingState
+from tafl.serving.http import ControlCharacterGuard
 from tafl.serving.runtime import ModelRegistry
 from tafl.serving.settings import Settings, check_service_env, max_concurrency
 
@@ -79,3 +80,7 @@ class TaflService:
     @bentoml.on_shutdown
     def shutdown(self) -> None:
         self.state.close()  # the decoder processes and their semaphores go before uvicorn ends the worker
+
+
+# outside BentoML's router: a path with a control character gets the service's JSON 400, not a plain-text 404
+TaflService.add_asgi_middleware(ControlCharacterGuard)

@@ -200,3 +200,15 @@ def test_openapi_documents_the_protocol(server):
               "/v2/models/{name}/versions/{version}/infer"):
         assert p in paths
     assert "requestBody" in paths["/v2/models/{name}/infer"]["post"]
+
+
+def test_a_control_character_in_the_path_answers_json_400_not_bentoml_s_plain_404(server):
+    # BentoML's mount pattern does not match a newline: without the guard this was a text/plain 404 (CI's fuzz find)
+    for path in ("/v2/models/a%0Ab/versions/%3C/ready", "/v2/models/x%0A/infer", "/v2/models/%7F"):
+        r = httpx.request("POST" if path.endswith("infer") else "GET", f"{server.url}{path}", timeout=30)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert r.headers["content-type"].startswith("application/json")
+        assert "control character" in r.json()["error"]
+    r = httpx.post(f"{server.url}/predict%0A", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "BadRequest" and r.json()["request_id"]
+    assert httpx.get(f"{server.url}/v2/models/no-such-model", timeout=30).status_code == 404  # still a 404 answer
