@@ -32,8 +32,10 @@ class Orthanc:
     `refuse_stow` installs a Lua filter that answers every STOW-RS with 403 (a PACS that refuses what tafl files); `modalities` maps a name to (AE title, port) on 127.0.0.1 (tafl's listener)."""
 
     def __init__(self, root: Path, *, modalities: dict[str, tuple[str, int]] | None = None,
-                 refuse_stow: bool = False, aet: str = "ORTHANC", users: dict[str, str] | None = None):
+                 refuse_stow: bool = False, aet: str = "ORTHANC", users: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None):
         self.root, self.aet = Path(root), aet
+        self.env = {**os.environ, **env} if env else None  # e.g. DCMTK's TCP_NODELAY for its DICOM sockets
         self.auth = next(iter(users.items())) if users else None  # what this helper's own REST calls log in as
         self.root.mkdir(parents=True, exist_ok=True)
         self.http_port, self.dicom_port = free_port(), free_port()
@@ -67,7 +69,7 @@ class Orthanc:
     def start(self, timeout: float = 60.0) -> Orthanc:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([binary(), str(self.config)], stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

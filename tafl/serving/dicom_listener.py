@@ -37,6 +37,7 @@ import itertools
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import warnings
@@ -92,7 +93,10 @@ class Deliverer:
         for sop in (dicom_sr.SR_STORAGE, dicom_sr.SC_STORAGE):
             ae.add_requested_context(sop, [ExplicitVRLittleEndian, ImplicitVRLittleEndian])
         ae.acse_timeout = ae.dimse_timeout = ae.network_timeout = 30
-        assoc = ae.associate(self.dest.host, self.dest.port, ae_title=self.dest.ae_title)
+        from pynetdicom import evt
+
+        assoc = ae.associate(self.dest.host, self.dest.port, ae_title=self.dest.ae_title,
+                             evt_handlers=[(evt.EVT_CONN_OPEN, no_delay)])
         if not assoc.is_established:
             raise ConnectionError("the destination refused or did not answer the association")
         return assoc
@@ -340,7 +344,8 @@ class Listener:
         handlers = [(evt.EVT_C_STORE, self._on_store), (evt.EVT_C_ECHO, self._on_echo),
                     (evt.EVT_ACCEPTED, self._on_assoc), (evt.EVT_REJECTED, self._on_assoc),
                     (evt.EVT_ABORTED, self._on_abort), (evt.EVT_DATA_RECV, self._on_data),
-                    (evt.EVT_DIMSE_RECV, self._on_message), (evt.EVT_CONN_CLOSE, self._on_closed)]
+                    (evt.EVT_DIMSE_RECV, self._on_message), (evt.EVT_CONN_CLOSE, self._on_closed),
+                    (evt.EVT_CONN_OPEN, no_delay)]
         try:
             self._server = ae.start_server((self.host, self.port), block=False, evt_handlers=handlers)
         except OSError as exc:
@@ -388,6 +393,17 @@ def storage_classes() -> list[str]:
         if uid_to_service_class(uid) is not StorageServiceClass:
             register_uid(uid, "TaflRetired" + uid.replace(".", "_"), StorageServiceClass)
     return current + retired
+
+
+def no_delay(event) -> None:
+    """TCP_NODELAY on an association's socket (pynetdicom leaves Nagle's algorithm on). A DIMSE message goes out
+    as several writes (the command, then the data set's PDUs), and with Nagle the last of them waits for the
+    peer's delayed ACK: about 40 ms per C-STORE on Linux (pynetdicom to pynetdicom: 52 ms a C-STORE, 12 ms
+    with this on both ends). Without it things only run slower, so a socket that refuses is left as it is."""
+    try:
+        event.assoc.dul.socket.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (AttributeError, OSError):
+        pass
 
 
 def _fsync_dir(path: Path) -> None:

@@ -217,3 +217,45 @@ def test_a_message_past_the_upload_cap_aborts_its_association_before_it_is_held(
         assert stats["acked"] == 1 and lst.stats["received"] == 1
     finally:
         lst.stop(drain=False, timeout=10)
+
+
+@pytest.mark.slow
+def test_both_ends_of_the_listener_turn_nagle_off(gtafl_pkg, tmp_path):
+    """TCP_NODELAY on the associations the listener accepts and on the one it files SRs over: with Nagle on, each
+    C-STORE waited for the peer's delayed ACK (about 40 ms per end; benchmarks/results/dimse_latency.md)."""
+    import socket
+
+    from pynetdicom import AE
+    from pynetdicom.sop_class import Verification
+
+    from tafl.packaging import load_package
+    from tafl.serving.dicom_listener import Deliverer, Destination, Listener
+
+    def nodelay(assoc) -> int:
+        return assoc.dul.socket.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+    sink = Sink()
+    port = free_port()
+    lst = Listener(gtafl_pkg, Destination(ae_title="DEST", host="127.0.0.1", port=sink.port), port=port,
+                   spool=tmp_path / "spool", workers=1)
+    lst.start()
+    deliverer = Deliverer(Destination(ae_title="DEST", host="127.0.0.1", port=sink.port), "TAFL")
+    try:
+        ae = AE(ae_title="SENDER")
+        ae.add_requested_context(Verification)
+        assoc = ae.associate("127.0.0.1", port, ae_title="TAFL")
+        assert assoc.is_established
+        accepted = lst._server.active_associations
+        assert accepted and all(nodelay(a) for a in accepted)
+        assert not nodelay(assoc)  # pynetdicom's own default is Nagle on: the check above can fail
+        assoc.release()
+        pkg = load_package(gtafl_pkg)
+        algo = dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
+        src = instances(SOURCES[:1], 1, seed="nodelay")[0]
+        sr, _ = dicom_sr.build(src, dicom_sr.Finding(0, 0.9), algo)
+        deliverer.deliver([sr])
+        assert nodelay(deliverer._assoc) and str(sr.SOPInstanceUID) in sink.received
+    finally:
+        deliverer.close()
+        lst.stop(drain=False, timeout=10)
+        sink.close()
