@@ -408,9 +408,6 @@ class RunConfig:
             if self.method == "dafl":
                 raise bad("secure_aggregation", "ViT-DAFL weights each site by its own class counts, which a sum "
                                                 "cannot give: use fedavg, fedprox, creff or gtafl")
-            if self.calibration != "none":
-                raise bad("calibration", "federated calibration is not yet sent through SecAgg+: use --calibration "
-                                         "none with --secure-aggregation")
         if self.dp_epsilon is None:
             return
         if not (math.isfinite(self.dp_epsilon) and self.dp_epsilon > 0):

@@ -35,7 +35,8 @@ from tafl.errors import ConfigError, DataError
 from tafl.training.config import RunConfig
 from tafl.training.longtail import holdout_split
 from tafl.training.methods.base import ClientData, ClientResult, Tensors, tensor_bytes
-from tafl.training.secagg import (LAYOUT_RECORD, SUM_ID, SecAggParams, SecureBounds, SecureSumError, census_layout,
+from tafl.training.secagg import (LAYOUT_RECORD, SUM_ID, SecAggParams, SecureBounds, SecureSumError,
+                                  calibration_layout, census_layout,
                                   client_arrays, combine, is_secure, layout_from_json, round_layout, route_secagg,
                                   secure_reply, secure_sum)
 from tafl.training.transport import Transport
@@ -188,7 +189,14 @@ def _secure_train(msg, method, data):
     t0 = time.perf_counter()
     res = method.client_update(payload, data, round_cfg)
     secs = time.perf_counter() - t0
-    why = _update_problem(method, payload, res)
+    if round_cfg.get("calibrate"):
+        from tafl.prior import n_params
+        from tafl.training.simulator import calibration_problem
+
+        C = int(method.model_cfg.num_classes)
+        why = calibration_problem(res, C, n_params(str(round_cfg["calibrate"]), C))
+    else:
+        why = _update_problem(method, payload, res)
     if why is not None:
         raise ValueError(f"client {data.client_id}: this round's update cannot be aggregated: {why}")
     arrays, plain = client_arrays(res, payload, layout_from_json(str(msg.content[LAYOUT_RECORD]["layout"])))
@@ -615,6 +623,9 @@ class FlowerTransport(Transport):
         """The round's layout (tafl.training.secagg.round_layout) from public values: the server method's model
         tensors and extras, the run config, and the largest record count among the round's clients."""
         method, cfg = self.method, self.cfg
+        if round_cfg.get("calibrate"):  # a calibration round: the held-out rows' NLL sums
+            return calibration_layout(str(round_cfg["calibrate"]), self.num_classes, max(self.n_of[k] for k in ids),
+                                      self.bounds, round_cfg.get("scale", 1.0), round_cfg.get("bias"))
         buffers = dict(method.model.named_buffers())
         weights = {k: (tuple(v.shape), k in buffers) for k, v in method.model.state_dict().items()
                    if k in payload and v.is_floating_point()}
@@ -660,7 +671,7 @@ class FlowerTransport(Transport):
         cost["client_s"] = float(sum(float(m.get("seconds", 0.0)) for m in plain))
         cost["uplink_bytes"] = 8 * (cost["secure_sum"]["entries"] + 1) * len(in_sum)  # int64 masked vectors
         public_n = sum(self.n_of[client_of[n]] for n in res.node_ids)
-        if abs(float(res.sums["num_samples"][0]) - public_n) > 0.5:
+        if "num_samples" in res.sums and abs(float(res.sums["num_samples"][0]) - public_n) > 0.5:
             log.warning("round %s: the secure sum counts %.1f samples, the census %d", r,
                         float(res.sums["num_samples"][0]), public_n)
         try:

@@ -323,6 +323,9 @@ def _failures(ws) -> str:
 #   stat_sum, stat_sumsq     (C, D)        per-class feature sums (≤ grad_samples rows a class)  G·F, G·F²
 #   stat_count               (C,)          per-class row counts                 bound G (grad_samples)
 #   class_counts             (C,)          the census: the client's class counts  bound n_max
+#   calib_nll, calib_grad,   (1,), (P,),   a calibration round's sums over the   n_max·(2(a·Z+b) + log C), n_max·Z,
+#   calib_hess               (P, P)        client's held-out rows (tafl.prior)   n_max·C·Z²/2 (calibration_layout)
+#   calib_counts, calib_n    (C,), (1,)    their class counts and number        bound n_max
 #
 # Integer tensors (BatchNorm's num_batches_tracked) are not summed: plaintext aggregation takes their maximum,
 # and each client reports how far its own advanced (`int_advance`: its number of local batches, a function of
@@ -354,6 +357,7 @@ class SecureBounds:
     buffer_delta: float = 100.0  # the same for a floating buffer (BatchNorm running mean and variance)
     feature: float = 100.0  # a class's mean feature value (GTAFL/CReFF statistics and expert gradients)
     loss: float = 1e4  # a client's mean local loss
+    logit: float = 100.0  # |z| of a held-out image's logit (or log-probability) that the calibration works on
 
 
 def round_layout(weights: Mapping[str, tuple[Sequence[int], bool]], n_max: int, bounds: SecureBounds, *,
@@ -381,6 +385,29 @@ def round_layout(weights: Mapping[str, tuple[Sequence[int], bool]], n_max: int, 
     return out
 
 
+CALIB_KEYS = ("calib_nll", "calib_grad", "calib_hess", "calib_counts", "calib_n")
+
+
+def calibration_layout(kind: str, num_classes: int, n_max: int, bounds: SecureBounds, scale: Any = 1.0,
+                       bias: Sequence[float] | None = None) -> dict[str, tuple[tuple[int, ...], float]]:
+    """A calibration round's layout (tafl.prior.nll_stats' sums over a client's held-out rows, at most n_max of
+    them), from public values: the calibration's kind, the classes, the largest site's record count, the logit
+    bound Z and the round's own (scale, bias), which the server chose. Per image, with u = a·z + b:
+    NLL ≤ 2·max|u| + log C, a gradient entry ≤ max(Z, 1) (|p − y| ≤ 1 times a column of ∂u/∂θ: z or 1), a Hessian
+    entry ≤ C·max(Z, 1)² / 2 (the covariance diag(p) − ppᵀ has eigenvalues ≤ 1/2)."""
+    from tafl.prior import n_params
+
+    C, n_max = int(num_classes), float(max(1, int(n_max)))
+    P = n_params(kind, C)
+    a = float(np.max(np.abs(np.asarray(scale, np.float64))))
+    b = 0.0 if bias is None else float(np.max(np.abs(np.asarray(bias, np.float64)), initial=0.0))
+    Z = max(float(bounds.logit), 1.0)
+    nll = 2.0 * (a * Z + b) + math.log(C)
+    return {"calib_nll": ((1,), n_max * nll), "calib_grad": ((P,), n_max * Z),
+            "calib_hess": ((P, P), n_max * C * Z * Z / 2.0), "calib_counts": ((C,), n_max),
+            "calib_n": ((1,), n_max)}
+
+
 def census_layout(num_classes: int, n_max: int) -> dict[str, tuple[tuple[int, ...], float]]:
     """The census: each client's class counts (each ≤ its record count ≤ n_max), summed once over every site."""
     return {"class_counts": ((int(num_classes),), float(max(1, int(n_max))))}
@@ -393,6 +420,10 @@ def client_arrays(res, payload: Mapping[str, Any], layout: Layout) -> tuple[dict
     not ask for, one it asked for and the result lacks): such a client answers with an error and is left out."""
     arrays: dict[str, np.ndarray] = {}
     n = float(res.num_samples)
+    if "calib_n" in layout:  # a calibration round: the held-out rows' NLL sums and nothing else
+        if set(res.extras) != set(CALIB_KEYS) or res.weights:
+            raise ValueError("a calibration round's result must hold exactly the calibration sums")
+        return {k: np.asarray(res.extras[k].double().numpy(), np.float64) for k in CALIB_KEYS}, {}
 
     def np64(t) -> np.ndarray:
         return np.asarray(t.detach().cpu().double().numpy() if hasattr(t, "detach") else t, dtype=np.float64)
@@ -459,6 +490,18 @@ def combine(sums: Mapping[str, np.ndarray], layout: Layout, payload: Mapping[str
 
     from tafl.training.methods.base import ClientResult
 
+    if "calib_n" in layout:  # a calibration round: the sums as one client's calibration statistics
+        n_held = float(np.rint(sums["calib_n"][0]))
+        counts = np.maximum(np.rint(sums["calib_counts"]), 0.0)
+        if n_held <= 0 or counts.sum() != n_held:
+            raise SecureSumError(f"the calibration sums count {n_held:.0f} held-out images and classes adding to "
+                                 f"{counts.sum():.0f}")
+        hess = sums["calib_hess"]
+        extras = {"calib_nll": sums["calib_nll"], "calib_grad": sums["calib_grad"],
+                  "calib_hess": (hess + hess.T) / 2.0,  # each client's is symmetric; the rounding need not be
+                  "calib_counts": counts, "calib_n": np.array([n_held])}
+        return ClientResult(int(client_id), int(n_held), {}, {k: torch.from_numpy(np.asarray(v, np.float64))
+                                                               for k, v in extras.items()}, {"calibration": 1.0})
     n_tot = int(np.rint(float(sums["num_samples"][0])))
     if n_tot <= 0:
         raise SecureSumError(f"the secure sum reports {n_tot} samples")

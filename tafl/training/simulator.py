@@ -656,6 +656,7 @@ def _calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Ru
     payload = method.broadcast(state)
     round_id = cfg.rounds + 2  # after the finishing round's rounds + 1
     members: set[int] | None = None
+    cover: frozenset[int] = frozenset()
     counts = None
     params = cal.params()
     dropped: set[int] = set()
@@ -674,14 +675,17 @@ def _calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Ru
             elif r.client_id not in dropped:
                 dropped.add(r.client_id)
                 log.warning("calibration: dropping client %s: %s", r.client_id, why)
+        # under secure aggregation one result stands for the sum over the clients the cost lists as answered
+        covered = frozenset(cost.get("answered") or ())
         if members is None:
             members = {k for k, r in good.items() if float(r.extras["calib_n"][0]) > 0}
+            cover = covered
             if not members:
                 log.warning("calibration: no client sent held-out statistics; the model stays uncalibrated")
                 return state
-        if not members <= set(good):
+        if not members <= set(good) or covered != cover:
             log.warning("calibration: client(s) %s did not answer round %d; keeping the best fit so far",
-                        sorted(members - set(good)), cal.iterations + 1)
+                        sorted((members - set(good)) | (cover ^ covered)), cal.iterations + 1)
             break
         totals = sum_stats([{k: good[c].extras[f"calib_{k}"].numpy() for k in CALIB_KEYS} for c in sorted(members)])
         counts = totals["counts"]
@@ -689,11 +693,11 @@ def _calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Ru
     if cal.best is None or counts is None:
         return state
     calibration = cal.result(counts / counts.sum())
-    calibration.fit.update(clients=sorted(members or []), dropped=sorted(dropped),
+    calibration.fit.update(clients=sorted(cover or members or []), dropped=sorted(dropped),
                            seconds=time.perf_counter() - t_start)
     book["calibration"] = calibration.to_dict()
     log.info("calibration (%s): T %.3f on %d held-out images of %d clients, NLL %.4f -> %.4f in %d rounds",
-             cfg.calibration, calibration.temperature, calibration.fit["images"], len(members or []),
+             cfg.calibration, calibration.temperature, calibration.fit["images"], len(cover or members or []),
              calibration.fit["nll_before"], calibration.fit["nll_after"], calibration.fit["iterations"])
     return GlobalState(state.weights, state.extras, dict(state.meta, calibration=calibration.to_dict()))
 

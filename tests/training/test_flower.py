@@ -209,3 +209,25 @@ def test_dp_and_secure_aggregation_together_account_every_site(tmp_path, monkeyp
     assert p["secure_aggregation"] is True and 0 < p["epsilon"] <= 4.0 + 1e-3
     assert sorted(p["clients"]) == ["0", "1", "2", "3"]
     assert all(c["steps"] > 0 and c["releases"] == 2 for c in p["clients"].values())  # round 1 and the finishing round
+
+
+def test_secure_aggregation_with_federated_calibration_fits_on_sums_only(tmp_path, monkeypatch):
+    """`--secure-aggregation --calibration vector`: every Newton round of the calibration is one SecAgg+ sum over all
+    four sites (nothing clipped), the fit covers the same held-out images as the plaintext run's and lowers their
+    NLL; the report says the model is calibrated."""
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    over = {**FLOWER_SMOKE, "method": "fedavg", "clients": 4, "frac": 1.0, "rounds": 1, "calibration": "vector",
+            "calib_holdout": 0.2}
+    plain = train(load_config(CONFIGS / "smoke.yaml", over), tmp_path / "plain", progress=False)
+    secure = run_flower_simulation(load_config(CONFIGS / "smoke.yaml", {**over, "engine": "flower",
+                                                                         "secure_aggregation": True}),
+                                   tmp_path / "secure")
+    log = (tmp_path / "secure" / "train.log").read_text()
+    cal_sums = re.findall(r"round 3: secure sum over clients \[0, 1, 2, 3\] \(\d+ entries each\), (\d+) entries "
+                          r"clipped", log)  # the calibration rounds are numbered rounds + 2
+    a, b = plain["prior_adaptation"]["calibration"], secure["prior_adaptation"]["calibration"]
+    assert secure["prior_adaptation"]["calibrated"] and len(cal_sums) == b["fit"]["iterations"] > 2, log[-3000:]
+    assert set(cal_sums) == {"0"}
+    assert b["fit"]["images"] == a["fit"]["images"] > 0 and b["fit"]["clients"] == [0, 1, 2, 3]
+    assert b["fit"]["nll_after"] < b["fit"]["nll_before"]
+    assert b["fit"]["nll_after"] == pytest.approx(a["fit"]["nll_after"], abs=0.05)  # round 1 differs by ~1e-7
