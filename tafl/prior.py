@@ -162,6 +162,7 @@ class NewtonCalibrator:
         self.theta[: self.n_scales] = 1.0
         self.best: tuple[float, np.ndarray, dict[str, np.ndarray]] | None = None
         self.damping = 1e-3
+        self.noise = 0.0  # the largest error of the summed NLL (set per round by the caller; 0: exact sums)
         self.iterations = 0
         self.nll_start: float | None = None
 
@@ -198,12 +199,13 @@ class NewtonCalibrator:
             self.nll_start = nll
         if not math.isfinite(nll):
             raise ValueError("calibration: the clients' NLL is not finite")
-        if self.best is not None and nll > self.best[0] + 1e-12:  # worse: back to the best θ, damp harder
+        # `noise`: how far the summed NLL may be off (a secure sum's quantisation error): a change within it is no change
+        if self.best is not None and nll > self.best[0] + max(1e-12, self.noise):  # worse: back to the best, damp harder
             self.damping *= 10
             self.theta = self.best[1].copy()
             totals = self.best[2]
         else:
-            improved = self.best is None or self.best[0] - nll > self.tol * max(1.0, abs(nll))
+            improved = self.best is None or self.best[0] - nll > max(self.tol * max(1.0, abs(nll)), self.noise)
             self.best = (nll, self.theta.copy(), totals)
             self.damping = max(self.damping / 10, 1e-9)
             if not improved:

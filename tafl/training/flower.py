@@ -679,6 +679,8 @@ class FlowerTransport(Transport):
         except SecureSumError as exc:
             log.warning("round %s: the secure sum is unusable (%s); the round has no update", r, exc)
             return [], cost
+        if "calib_nll" in res.errors:  # the calibration's fit treats an NLL change within this as no change
+            combined.metrics["calib_nll_error"] = float(res.errors["calib_nll"])
         return [combined], cost
 
 

@@ -688,6 +688,7 @@ def _calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Ru
                         sorted((members - set(good)) | (cover ^ covered)), cal.iterations + 1)
             break
         totals = sum_stats([{k: good[c].extras[f"calib_{k}"].numpy() for k in CALIB_KEYS} for c in sorted(members)])
+        cal.noise = sum(float(good[c].metrics.get("calib_nll_error", 0.0)) for c in members)  # secure sums' error
         counts = totals["counts"]
         params = cal.step(totals)
     if cal.best is None or counts is None:
