@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -114,6 +115,9 @@ def audit(**fields: Any) -> None:
     audit_log.info(json.dumps({"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **fields}))
 
 
+CONTROL = re.compile("[\x00-\x1f\x7f]")  # C0 controls and DEL: one C-level scan per request path
+
+
 class ControlCharacterGuard:
     """ASGI middleware over the whole BentoML app: a request whose path holds a control character (a percent-
     encoded newline, say) is answered 400 in the service's JSON error shape. BentoML mounts the app with a
@@ -125,11 +129,11 @@ class ControlCharacterGuard:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "") if scope.get("type") == "http" else ""
-        bad = next((c for c in path if ord(c) < 0x20 or ord(c) == 0x7F), None)
-        if bad is None:
+        found = CONTROL.search(path)
+        if found is None:
             await self.app(scope, receive, send)
             return
-        message = (f"the request path holds a control character (U+{ord(bad):04X}); "
+        message = (f"the request path holds a control character (U+{ord(found.group()):04X}); "
                    "no route, model name or version contains one")
         rid = request_id()
         if path == "/v2" or path.startswith("/v2/"):  # the Open Inference Protocol's error shape
