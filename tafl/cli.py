@@ -647,9 +647,11 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--spool", default="tafl-dicom-spool", help="received instances wait here, durably, until "
                                                                 "their SR is stored (default ./tafl-dicom-spool)")
     dl.add_argument("--heatmap", action="store_true", help="also store the heatmap as a secondary capture")
-    dl.add_argument("--max-queue", type=int, default=64, help="instances waiting before C-STOREs are refused "
-                                                              "(0xA700, the sender retries; default 64)")
-    dl.add_argument("--workers", type=int, default=2, help="classifying threads (each with its own association to --dest; default 2)")
+    dl.add_argument("--max-queue", type=int, default=1000,
+                    help="instances waiting in the spool before C-STOREs are refused with 0xA700 (a sender may not "
+                         "retry: Orthanc does not); default 1000, about 0.5 GB of CT slices on disk")
+    dl.add_argument("--workers", type=int, default=2, help="classifying threads (each with its own association "
+                                                           "to --dest; default 2)")
     dl.set_defaults(func=cmd_dicom_listen)
 
     d = sub.add_parser("demo", help="train GTAFL on the embedded digits, export, serve and call the service")

@@ -26,7 +26,7 @@ def free_port() -> int:
 class Sink:
     """A storage SCP for SR and SC objects: `received` maps SOP Instance UID -> Part 10 bytes."""
 
-    def __init__(self, port: int | None = None, ae_title: str = "DEST"):
+    def __init__(self, port: int | None = None, ae_title: str = "DEST", syntaxes: list[str] | None = None):
         from pynetdicom import AE, evt
         from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
@@ -37,7 +37,7 @@ class Sink:
         self._lock = threading.Lock()
         ae = AE(ae_title=ae_title)
         for sop in ("1.2.840.10008.5.1.4.1.1.88.33", "1.2.840.10008.5.1.4.1.1.7"):
-            ae.add_supported_context(sop, [ExplicitVRLittleEndian, ImplicitVRLittleEndian])
+            ae.add_supported_context(sop, syntaxes or [ExplicitVRLittleEndian, ImplicitVRLittleEndian])
         self._server = ae.start_server(("127.0.0.1", self.port), block=False,
                                        evt_handlers=[(evt.EVT_C_STORE, self._store)])
 

@@ -92,9 +92,7 @@ class DicomWriter:
             rgb = overlay(frame, out["heatmap"][0])
             if len(decoded.frames) > 1:
                 finding.frame = 1
-        source = dicom_sr.read_header(data)
-        sr, sc = dicom_sr.build(source, finding, self.algo, rgb)
-        return [dicom_sr.to_bytes(sr)] + ([dicom_sr.to_bytes(sc)] if sc is not None else [])
+        return dicom_sr.encoded(dicom_sr.read_header(data), finding, self.algo, rgb)
 
     def _remote(self, data: bytes) -> list[bytes]:
         client = self.scorer.client

@@ -186,7 +186,7 @@ async def predict(request: Request, call: Call) -> Response:
         from tafl.serving.dicom_results import sr_response
 
         resp = await sr_response(model, p.sr_source, first, p.decoded.frames,
-                                 p.out["heatmap"][0] if p.heatmap else None, call.rid)
+                                 p.out["heatmap"][0] if p.heatmap else None, call.rid, st.decode_pool)
         for r in results:
             st.count(model, r["class_name"])
         audit(**call.audit, status=200, format="sr", label=first["label"], class_name=first["class_name"],

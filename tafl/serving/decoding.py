@@ -84,6 +84,17 @@ class DecodePool:
         ex = self._executor()
         return sorted({f.result() for f in [ex.submit(_warm) for _ in range(self.processes * 2)]})
 
+    def warm_with(self, fn) -> None:
+        """Run `fn` (picklable, no arguments) as many times as there are decoder processes, at once, so that the
+        pool spreads it over them: to load what a process's first real task would otherwise pay for. In this
+        process when there are none."""
+        if not self.processes:
+            fn()
+            return
+        ex = self._executor()
+        for f in [ex.submit(fn) for _ in range(self.processes)]:
+            f.result()
+
     def _replace(self, broken: ProcessPoolExecutor, kill: bool = False) -> None:
         with self._lock:
             if self._pool is broken:
@@ -97,26 +108,38 @@ class DecodePool:
     async def decode(self, data: bytes, **limits) -> DecodedImage:
         if not self.processes:
             return await asyncio.to_thread(decode_image, data, **limits)
+        return await self.call(
+            functools.partial(decode_image, data, **limits),
+            late=f"the DICOM file took longer than {self.deadline:g} s to decode: export it uncompressed, or as "
+                 "fewer or smaller frames, and resend it",
+            crashed="the DICOM file made the image decoder fail: check that it is a complete, standard image "
+                    "object, export it again and resend it")
+
+    async def call(self, fn, *, late: str, crashed: str):
+        """`fn()` (picklable) in a decoder process: for work that would hold the GIL, such as a codec or building
+        a structured report with highdicom. Past the deadline its processes are replaced and `late` is raised
+        (UnprocessableImage); a process that dies is replaced and `fn` tried once more, then `crashed` is raised.
+        An exception `fn` raises reaches the caller as it is. Without processes, `fn` runs in a thread."""
+        if not self.processes:
+            return await asyncio.to_thread(fn)
         for attempt in (1, 2):
             ex = self._executor()
             try:
-                future = asyncio.wrap_future(ex.submit(functools.partial(decode_image, data, **limits)))
-                return await asyncio.wait_for(future, self.deadline)
+                return await asyncio.wait_for(asyncio.wrap_future(ex.submit(fn)), self.deadline)
             except asyncio.TimeoutError:
-                # bounded time: a file still decoding after the deadline (or a decoder that stopped answering)
-                # costs its processes; the files they held are tried again on new ones
-                log.warning("a DICOM decode took longer than %g s; its decoder processes are replaced", self.deadline)
+                # bounded time: work still running after the deadline (or a process that stopped answering)
+                # costs its processes; the work they held is tried again on new ones
+                log.warning("work in a decoder process took longer than %g s; the processes are replaced",
+                            self.deadline)
                 self._replace(ex, kill=True)
-                raise UnprocessableImage(f"the DICOM file took longer than {self.deadline:g} s to decode: export it "
-                                         "uncompressed, or as fewer or smaller frames, and resend it") from None
+                raise UnprocessableImage(late) from None
             except BrokenProcessPool:
                 # a decoder process died (a codec crash or the OOM killer) while this pool had work: a new pool
                 # serves the next requests. Every file the dead pool held is tried once more, so only the file
                 # that kills a decoder twice is answered as undecodable.
-                log.warning("a DICOM decoder process died; starting new ones")
+                log.warning("a decoder process died; starting new ones")
                 self._replace(ex)
-        raise UnprocessableImage("the DICOM file made the image decoder fail: check that it is a complete, "
-                                 "standard image object, export it again and resend it")
+        raise UnprocessableImage(crashed)
 
     def close(self, wait: bool = False) -> None:
         """Stop the decoder processes. With `wait` (the service's shutdown) also wait until they and the

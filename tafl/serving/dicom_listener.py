@@ -10,9 +10,11 @@ when it starts again; what it did not acknowledge the sender still holds and ret
 derived from the source instance and the model (tafl.imaging.dicom_sr), so an SR delivered just before a
 crash and delivered again after the restart replaces itself at the destination instead of doubling.
 
-Back-pressure: at most `max_queue` instances wait in the spool; past that a C-STORE is answered
-0xA700 (Refused: out of resources), which a sender treats as "retry later". Non-image objects (SR,
-presentation states, ...) are acknowledged and not classified.
+Back-pressure: at most `max_queue` instances (default 1000) wait in the spool; past that a C-STORE is answered
+0xA700 (Refused: out of resources) and a warning is logged. A sender may retry later or may not: Orthanc's store
+job logs the refusal and goes on, the instance stays unclassified. The spool is on disk, so the default is sized
+for a large study sent at once (about 0.5 GB of CT slices), not for memory. Non-image objects (SR, presentation
+states, ...) are acknowledged and not classified.
 
 Size: pynetdicom gathers a message's P-DATA in memory before the C-STORE handler sees it, so the
 listener counts each association's bytes as they arrive (EVT_DATA_RECV, one PDU at a time) and aborts
@@ -33,6 +35,7 @@ kept at WARNING or above and never include datasets.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -77,21 +80,30 @@ class Destination:
 
 
 class Deliverer:
-    """Stores SR and SC files: a C-STORE SCU over one kept association (re-opened on failure), or a folder."""
+    """Stores SR and SC files: a C-STORE SCU over one kept association (re-opened on failure), or a folder.
 
-    def __init__(self, dest: Destination, calling_ae: str, retries: int = 5, backoff: float = 0.5):
+    An object given as Part 10 bytes is sent as it is, from a file in `scratch` (pynetdicom's chunked send:
+    neither decoded nor encoded again here); a pydicom Dataset is encoded by pynetdicom."""
+
+    def __init__(self, dest: Destination, calling_ae: str, retries: int = 5, backoff: float = 0.5,
+                 scratch: Path | None = None):
         self.dest, self.calling_ae, self.retries, self.backoff = dest, calling_ae, retries, backoff
         self._assoc = None
         if dest.folder is not None:
             dest.folder.mkdir(parents=True, exist_ok=True)
+        self.scratch = scratch
+        if scratch is not None:
+            scratch.mkdir(parents=True, exist_ok=True)
 
     def _open(self):
-        from pynetdicom import AE
+        from pynetdicom import AE, _config
         from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
+        _config.STORE_SEND_CHUNKED_DATASET = True  # a file path is sent as stored (Datasets are not affected)
         ae = AE(ae_title=self.calling_ae)
-        for sop in (dicom_sr.SR_STORAGE, dicom_sr.SC_STORAGE):
-            ae.add_requested_context(sop, [ExplicitVRLittleEndian, ImplicitVRLittleEndian])
+        for sop in (dicom_sr.SR_STORAGE, dicom_sr.SC_STORAGE):  # one context per syntax: a peer may accept both
+            ae.add_requested_context(sop, ExplicitVRLittleEndian)
+            ae.add_requested_context(sop, ImplicitVRLittleEndian)
         ae.acse_timeout = ae.dimse_timeout = ae.network_timeout = 30
         from pynetdicom import evt
 
@@ -101,22 +113,57 @@ class Deliverer:
             raise ConnectionError("the destination refused or did not answer the association")
         return assoc
 
+    def _files(self, objects: list[Any]) -> list[Any]:
+        """What send_c_store takes: a Dataset as it is, Part 10 bytes as a file in the scratch folder."""
+        if not any(isinstance(x, bytes) for x in objects):
+            return objects
+        if self.scratch is None:
+            import tempfile
+
+            self.scratch = Path(tempfile.mkdtemp(prefix="tafl-deliver-"))
+        out = []
+        for i, x in enumerate(objects):
+            if isinstance(x, bytes):
+                path = self.scratch / f"{threading.get_ident()}-{i}.dcm"
+                path.write_bytes(x)
+                x = path
+            out.append(x)
+        return out
+
+    def _as_accepted(self, obj: Any) -> Any:
+        """A file whose syntax (explicit VR little endian, as tafl writes them) the peer accepted is sent as it
+        is; for a peer that took only implicit VR, the file is read back so that pynetdicom converts it."""
+        if not isinstance(obj, Path):
+            return obj
+        import pydicom
+        from pydicom.filereader import read_file_meta_info
+
+        meta = read_file_meta_info(obj)
+        if any(c.abstract_syntax == meta.MediaStorageSOPClassUID and c.transfer_syntax[0] == meta.TransferSyntaxUID
+               for c in self._assoc.accepted_contexts):
+            return obj
+        return pydicom.dcmread(obj)
+
     def deliver(self, objects: list[Any]) -> None:
-        """Each object (pydicom Datasets, the SC before the SR that references it), or raise after retries."""
+        """Each object (pydicom Datasets or Part 10 bytes, the SC before the SR that references it), or raise
+        after retries."""
         if self.dest.folder is not None:
             for ds in objects:
-                path = self.dest.folder / f"{ds.SOPInstanceUID}.dcm"
+                data = ds if isinstance(ds, bytes) else dicom_sr.to_bytes(ds)
+                uid = ds.SOPInstanceUID if not isinstance(ds, bytes) else dicom_sr.read_header(data).SOPInstanceUID
+                path = self.dest.folder / f"{uid}.dcm"
                 tmp = path.with_suffix(".part")
-                tmp.write_bytes(dicom_sr.to_bytes(ds))
+                tmp.write_bytes(data)
                 os.replace(tmp, path)
             return
+        objects = self._files(objects)
         last = ""
         for attempt in range(self.retries + 1):
             try:
                 if self._assoc is None or not self._assoc.is_established:
                     self._assoc = self._open()
                 for ds in objects:
-                    status = self._assoc.send_c_store(ds)
+                    status = self._assoc.send_c_store(self._as_accepted(ds))
                     code = getattr(status, "Status", None)
                     if code != SUCCESS:
                         raise ConnectionError(f"the destination answered C-STORE with status "
@@ -142,7 +189,7 @@ class Listener:
 
     def __init__(self, package: str | Path, destination: Destination, *, ae_title: str = "TAFL",
                  host: str = "127.0.0.1", port: int = 11112, spool: str | Path = "tafl-dicom-spool",
-                 heatmap: bool = False, max_queue: int = 64, workers: int = 2, threads: int | None = None,
+                 heatmap: bool = False, max_queue: int = 1000, workers: int = 2, threads: int | None = None,
                  settings: Any = None, deliver_retries: int = 5, retry_pause: float = 5.0):
         from tafl.packaging import load_package
         from tafl.serving.settings import Settings
@@ -156,8 +203,9 @@ class Listener:
         self.heatmap, self.max_queue, self.workers = heatmap, max(1, max_queue), max(1, workers)
         self.spool = Path(spool)
         self.deliver_retries, self.retry_pause = deliver_retries, retry_pause
-        self.incoming, self.queue_dir, self.failed = (self.spool / n for n in ("incoming", "queue", "failed"))
-        for d in (self.incoming, self.queue_dir, self.failed):
+        self.incoming, self.queue_dir, self.failed, self.outgoing = (self.spool / n for n in
+                                                                     ("incoming", "queue", "failed", "outgoing"))
+        for d in (self.incoming, self.queue_dir, self.failed, self.outgoing):
             d.mkdir(parents=True, exist_ok=True)
         s = self.settings
         self.limits = {"max_bytes": s.max_upload_bytes, "max_pixels": min(s.max_pixels, s.max_request_pixels),
@@ -180,8 +228,16 @@ class Listener:
         with self._lock:
             if self._pending >= self.max_queue:
                 self.stats["refused_busy"] += 1
-                return OUT_OF_RESOURCES
-            self._pending += 1
+                refused = self.stats["refused_busy"]
+            else:
+                refused = 0
+                self._pending += 1
+        if refused:
+            a = event.assoc.requestor
+            log.warning("C-STORE from %s (%s:%s) refused (0xA700): %d instances already wait in the spool "
+                        "(--max-queue); %d refused since the start. Resend what the sender did not retry.",
+                        a.ae_title, a.address, a.port, self.max_queue, refused)
+            return OUT_OF_RESOURCES
         try:
             name = f"{time.time_ns():020d}-{next(self._seq):08d}.dcm"
             tmp = self.incoming / name
@@ -242,7 +298,7 @@ class Listener:
     # ---------------------------------------------------------------- the worker side
     def _work(self) -> None:
         loop = asyncio.new_event_loop()
-        deliverer = Deliverer(self.destination, self.ae_title, retries=self.deliver_retries)
+        deliverer = Deliverer(self.destination, self.ae_title, retries=self.deliver_retries, scratch=self.outgoing)
         try:
             while True:
                 path = self._q.get()
@@ -288,14 +344,19 @@ class Listener:
                 rgb = overlay(overlay_frame(decoded.frames[0]), out["heatmap"][0])
             finding = dicom_sr.Finding.from_result(result, self.algo.class_names,
                                                    1 if len(decoded.frames) > 1 else None)
-            sr, sc = dicom_sr.build(source, finding, self.algo, rgb)
+            # built in a decoder process: highdicom is pure Python that would hold this process's GIL, which the
+            # SCP's threads need to receive the next instances
+            parts = loop.run_until_complete(self.pool.call(
+                functools.partial(dicom_sr.encoded, source, finding, self.algo, rgb),
+                late="building the structured report took too long", crashed="building the structured report "
+                "made its process fail"))
         except TaflError as exc:
             return self._fail(path, uid, exc)
         self.stats["classified"] += 1
         t1 = time.perf_counter()
         while True:  # the spool file stays until the SR is delivered: a destination that is down is waited for
             try:
-                deliverer.deliver([x for x in (sc, sr) if x is not None])
+                deliverer.deliver(parts[::-1])  # the SC (when there is one) before the SR that references it
                 break
             except ConnectionError as exc:
                 log.error("instance %s: %s; retrying in %g s (kept in the spool)", uid, exc, self.retry_pause)
@@ -315,7 +376,7 @@ class Listener:
     # ---------------------------------------------------------------- lifecycle
     def recover(self) -> int:
         """Queue what an earlier run acknowledged but did not finish; drop half-written files it never acked."""
-        for part in self.incoming.iterdir():
+        for part in [*self.incoming.iterdir(), *self.outgoing.iterdir()]:  # outgoing: SRs being sent, rebuilt
             part.unlink(missing_ok=True)
         left = sorted(self.queue_dir.glob("*.dcm"))
         with self._lock:
@@ -331,6 +392,7 @@ class Listener:
         from pynetdicom.sop_class import Verification
 
         self.pool.warm()
+        self.pool.warm_with(dicom_sr.warm)
         self.recover()
         for _ in range(self.workers):
             t = threading.Thread(target=self._work, name="tafl-dicom-worker", daemon=True)

@@ -10,6 +10,7 @@ reference is a 422.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from typing import Any
 
@@ -20,6 +21,7 @@ from starlette.responses import Response
 from tafl.errors import BadRequest, UnsupportedMedia
 from tafl.imaging import is_dicom
 from tafl.imaging import dicom_sr
+from tafl.serving.decoding import DecodePool
 from tafl.serving.results import overlay_frame
 
 DICOM = "application/dicom"
@@ -53,18 +55,27 @@ def render(data: bytes, result: dict[str, Any], algo: dicom_sr.Algorithm, frames
     """[SR] or [SR, SC] as Part 10 files."""
     source = dicom_sr.read_header(data)
     finding = dicom_sr.Finding.from_result(result, algo.class_names, 1 if frames > 1 else None)
-    sr, sc = dicom_sr.build(source, finding, algo, overlay_rgb)
-    return [dicom_sr.to_bytes(sr)] + ([dicom_sr.to_bytes(sc)] if sc is not None else [])
+    return dicom_sr.encoded(source, finding, algo, overlay_rgb)
 
 
 async def sr_response(model: Any, data: bytes, result: dict[str, Any], frames: list[np.ndarray],
-                      heat: np.ndarray | None, rid: str) -> Response:
+                      heat: np.ndarray | None, rid: str, pool: DecodePool | None = None) -> Response:
+    """The SR (and SC) answer. highdicom builds an SR in tens of milliseconds of pure Python, holding the GIL: in
+    a decoder process (`pool`) the event loop stays free for other requests meanwhile; without one, in a thread."""
     from tafl.imaging.heatmap import overlay
 
     rgb = None
     if heat is not None:
         rgb = await asyncio.to_thread(overlay, overlay_frame(frames[0]), heat)
-    parts = await asyncio.to_thread(render, data, result, algorithm(model), len(frames), rgb)
+    algo = algorithm(model)
+    if pool is None:
+        parts = await asyncio.to_thread(render, data, result, algo, len(frames), rgb)
+    else:
+        source = await asyncio.to_thread(dicom_sr.read_header, data)  # the header only: pixels stay here
+        finding = dicom_sr.Finding.from_result(result, algo.class_names, 1 if len(frames) > 1 else None)
+        parts = await pool.call(functools.partial(dicom_sr.encoded, source, finding, algo, rgb),
+                                late="building the structured report took too long; ask for format=json",
+                                crashed="building the structured report failed; ask for format=json")
     headers = {"X-Request-ID": rid}
     if len(parts) == 1:
         return Response(parts[0], media_type=DICOM, headers=headers)

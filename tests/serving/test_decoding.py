@@ -5,6 +5,8 @@ replaced and its files decoded again (the service answers, nobody gets a 500).""
 from __future__ import annotations
 
 import asyncio
+import functools
+import io
 import os
 import signal
 
@@ -89,3 +91,39 @@ def test_a_decode_past_its_deadline_is_a_422_and_the_pool_is_replaced():
         assert asyncio.run(p.decode(CT)).kind == "dicom"
     finally:
         p.close()
+
+
+def test_call_runs_work_in_a_decoder_process_and_hands_back_its_errors(pool):
+    """`call` is how the listener and the service build SRs off the GIL: the work runs in another process,
+    its answer comes back, and an error it raises reaches the caller as it is (a 4xx stays a 4xx)."""
+    from tafl.imaging import dicom_sr
+
+    pids = asyncio.run(pool.call(os.getpid, late="late", crashed="crashed"))
+    assert pids != os.getpid()
+    src = pydicom.dcmread(pydicom.data.get_testdata_file("CT_small.dcm"), stop_before_pixels=True)
+    algo = dicom_sr.Algorithm("m", "1", "ab" * 32, ["a", "b"])
+    parts = asyncio.run(pool.call(functools.partial(dicom_sr.encoded, src, dicom_sr.Finding(1, 0.8), algo),
+                                  late="late", crashed="crashed"))
+    sr = pydicom.dcmread(io.BytesIO(parts[0]))
+    assert len(parts) == 1 and sr.SOPClassUID == dicom_sr.SR_STORAGE and sr.StudyInstanceUID == src.StudyInstanceUID
+    del src.SOPInstanceUID  # an SR must reference its source: the builder's own 422, not a crash of the pool
+    with pytest.raises(UnprocessableImage, match="lacks SOPInstanceUID"):
+        asyncio.run(pool.call(functools.partial(dicom_sr.encoded, src, dicom_sr.Finding(1, 0.8), algo),
+                              late="late", crashed="crashed"))
+    assert pool.replaced == 0
+
+
+def test_call_past_the_deadline_raises_its_message_and_warm_with_reaches_the_processes():
+    import time
+
+    p = DecodePool(2, deadline=0.2)
+    try:
+        p.warm_with(os.getpid)
+        with pytest.raises(UnprocessableImage, match="took too long"):
+            asyncio.run(p.call(functools.partial(time.sleep, 5), late="it took too long", crashed="crashed"))
+        assert p.replaced == 1
+        assert asyncio.run(p.call(functools.partial(max, 1, 2), late="late", crashed="crashed")) == 2
+    finally:
+        p.close()
+    p0 = DecodePool(0)  # no processes: in a thread of this process
+    assert asyncio.run(p0.call(os.getpid, late="late", crashed="crashed")) == os.getpid()

@@ -143,6 +143,7 @@ def test_back_pressure_and_a_destination_that_comes_back(gtafl_pkg, tmp_path, ca
         sink = Sink(port=dest_port)
         sender.join(120)
         assert stats["unsent"] == 0 and stats["refused"] > 0, stats
+        assert "refused (0xA700)" in caplog.text  # a sender may not retry (Orthanc does not): said in the log
         end = time.monotonic() + 60
         while time.monotonic() < end and len(sink.received) < 8:
             time.sleep(0.1)
@@ -258,4 +259,44 @@ def test_both_ends_of_the_listener_turn_nagle_off(gtafl_pkg, tmp_path):
     finally:
         deliverer.close()
         lst.stop(drain=False, timeout=10)
+        sink.close()
+
+
+@pytest.mark.parametrize("implicit_only", [False, True])
+def test_deliverer_sends_part10_bytes_as_stored_or_converted_for_the_peer(tmp_path, implicit_only):
+    """The listener builds SRs in a decoder process and hands the Deliverer their Part 10 bytes. A peer that
+    accepts explicit VR gets the file as it was written (pynetdicom's chunked send, no second encoding); a peer
+    that took only implicit VR gets it converted. Either way the peer holds the same SR."""
+    from pydicom.uid import ImplicitVRLittleEndian
+
+    from tafl.serving.dicom_listener import Deliverer, Destination
+
+    sink = Sink(syntaxes=[ImplicitVRLittleEndian] if implicit_only else None)
+    deliverer = Deliverer(Destination(ae_title="DEST", host="127.0.0.1", port=sink.port), "TAFL",
+                          scratch=tmp_path / "out")
+    try:
+        algo = dicom_sr.Algorithm("m", "1", "cd" * 32, ["a", "b"])
+        srcs = instances(SOURCES[:2], 2, seed="bytes" + str(implicit_only))
+        parts = [dicom_sr.encoded(s, dicom_sr.Finding(i % 2, 0.7), algo)[0] for i, s in enumerate(srcs)]
+        deliverer.deliver(parts)
+        from pynetdicom.dsutils import split_dataset
+
+        def body(data: bytes, name: str) -> tuple[str, bytes]:  # (transfer syntax, the dataset's bytes)
+            (tmp_path / name).write_bytes(data)
+            meta, offset = split_dataset(tmp_path / name)
+            return str(meta.TransferSyntaxUID), data[offset:]
+
+        for i, data in enumerate(parts):
+            sent = pydicom.dcmread(io.BytesIO(data))
+            got = sink.received[str(sent.SOPInstanceUID)]
+            (ts_sent, body_sent), (ts_got, body_got) = body(data, f"s{i}"), body(got, f"g{i}")
+            assert pydicom.dcmread(io.BytesIO(got)).ContentSequence == sent.ContentSequence
+            if implicit_only:  # converted by pynetdicom
+                assert ts_got == ImplicitVRLittleEndian != ts_sent and body_got != body_sent
+            else:  # the dataset's bytes exactly as written
+                assert ts_got == ts_sent and body_got == body_sent
+        assert {str(c.transfer_syntax[0]) for c in deliverer._assoc.accepted_contexts} == (
+            {ImplicitVRLittleEndian} if implicit_only else {ImplicitVRLittleEndian, "1.2.840.10008.1.2.1"})
+    finally:
+        deliverer.close()
         sink.close()
