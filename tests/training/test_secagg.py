@@ -490,5 +490,9 @@ def test_federated_calibration_through_secagg_fits_what_the_plaintext_sums_fit(s
     # within 1e-4 nats an image (the optimum is flat: the parameters themselves differ by up to a few 1e-3)
     exact = sum_stats([stats(k, *secure_cal.params(secure_cal.best[1])) for k in range(len(sites))])
     assert float(exact["nll"][0]) / want["n"][0] <= b.fit["nll_after"] + 1e-4, (exact["nll"], b.fit)
-    assert np.allclose(a.scales, b.scales, atol=1e-2) and np.allclose(a.bias, b.bias, atol=1e-2), (a.scales, b.scales)
+    # the same calibrated answers: SecAgg+'s masks and rounding differ from run to run, and along the flat optimum the
+    # noise rule may stop where a bias differs by a few 1e-2 (seen in CI: 0.027), which moves probabilities by less
+    pooled = np.concatenate([z for z, _ in sites])
+    assert np.abs(a.probs(pooled) - b.probs(pooled)).max() < 0.02
+    assert np.allclose(a.scales, b.scales, atol=0.05) and np.allclose(a.bias, b.bias, atol=0.05), (a.bias, b.bias)
     check_server_saw_no_arrays(grid.replies)
