@@ -5,7 +5,8 @@
 TREE_A / TREE_B are checkouts of the repository (e.g. `git worktree add /tmp/base <commit>`). Each round
 starts `bentoml serve` from each tree in turn (cwd and PYTHONPATH set to it, the same package, the same
 settings) and drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (the §5 setup), then
-with wrk at concurrency 32 posting a real 1024x1024 MR DICOM (../shared/data/dicom/MR2_UNCR.dcm). The ratio new / base per round and its median
+with wrk at concurrency 32 posting a real 1024x1024 MR DICOM (../shared/data/dicom/MR2_UNCR.dcm); with
+`--inputs sr`, pydicom's CT_small answered as a DICOM SR (format=sr). The ratio new / base per round and its median
 say whether a change moved the valid-input throughput (issue 15: within 5 %). Alternating the two trees
 within each round spreads the machine's drift over both. Writes benchmarks/results/serving_ab.{json,md}.
 """
@@ -53,12 +54,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=10)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serving_ab"))
+    ap.add_argument("--inputs", default="png,dicom", help="png, dicom and/or sr (pydicom's CT_small answered as a "
+                    "DICOM SR, format=sr)")
     ns = ap.parse_args()
     trees = {"base": Path(ns.base).resolve(), "new": Path(ns.new).resolve()}
     pkg = Path(ns.package).resolve()
     png = images(1)[0]
     dicom = SHARED / "dicom" / "MR2_UNCR.dcm"  # an uncompressed 1024x1024 MR (the DICOM path of §5's setup)
-    inputs = {"png": png, "dicom": dicom.read_bytes()}
+    from pydicom.data import get_testdata_file
+
+    every = {"png": lambda: png, "dicom": dicom.read_bytes,
+             "sr": lambda: Path(get_testdata_file("CT_small.dcm")).read_bytes()}
+    inputs = {k: every[k]() for k in ns.inputs.split(",")}
+    fields = {"sr": {"format": "sr"}}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
@@ -67,8 +75,8 @@ def main() -> int:
                 proc, url = start(trees[which], pkg, Path(tmp) / f"home_{which}", Path(tmp) / f"{which}.log")
                 try:
                     for kind, data in inputs.items():
-                        wrk_load(url, data, 8, seconds=2)  # warm-up
-                        r = wrk_load(url, data, 32, seconds=ns.seconds)
+                        wrk_load(url, data, 8, seconds=2, fields=fields.get(kind))  # warm-up
+                        r = wrk_load(url, data, 32, seconds=ns.seconds, fields=fields.get(kind))
                         rows.append({"round": rnd, "tree": which, "input": kind, **r})
                         print(f"round {rnd} {which:4s} {kind:5s} {r.get('throughput_img_s', float('nan')):7.1f} img/s "
                               f"p99 {r.get('p99_ms', float('nan')):.1f} ms", flush=True)

@@ -46,7 +46,8 @@ def images(n: int) -> list[bytes]:
     return out
 
 
-def wrk_load(url: str, data: bytes, concurrency: int, model: str | None = None, seconds: int = 10) -> dict:
+def wrk_load(url: str, data: bytes, concurrency: int, model: str | None = None, seconds: int = 10,
+             fields: dict[str, str] | None = None) -> dict:
     """The same POST with wrk (a C load generator), so the client costs the service little CPU."""
     import re
     import shutil
@@ -57,7 +58,9 @@ def wrk_load(url: str, data: bytes, concurrency: int, model: str | None = None, 
         return {}
     boundary = "tafl-bench-boundary"
     body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.png\"\r\n"
-            "Content-Type: image/png\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+            "Content-Type: image/png\r\n\r\n").encode() + data + "".join(
+        f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}" for k, v in
+        (fields or {}).items()).encode() + f"\r\n--{boundary}--\r\n".encode()
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "body.bin").write_bytes(body)
         (Path(tmp) / "post.lua").write_text(
