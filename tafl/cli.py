@@ -395,7 +395,8 @@ def cmd_score(ns: argparse.Namespace) -> int:
                                      studies=ns.study, since=ns.since, modality=ns.modality, store_sr=ns.store_sr,
                                      heatmap=ns.dicom_heatmap, concurrency=ns.concurrency, batch_size=ns.batch_size,
                                      resume=ns.resume, force=ns.force,
-                                     progress=False if ns.no_progress else None, prior=ns.prior)
+                                     progress=False if ns.no_progress else None, prior=ns.prior,
+                                     sr_processes=None)
         except PacsUnavailable as exc:
             if Path(ns.out).exists():
                 raise PacsUnavailable(f"{exc.message}. Every row in {ns.out} is complete: run the same command "
@@ -414,7 +415,7 @@ def cmd_score(ns: argparse.Namespace) -> int:
                            concurrency=ns.concurrency, batch_size=ns.batch_size, resume=ns.resume, force=ns.force,
                            progress=False if ns.no_progress else None, prior=ns.prior, engine=ns.engine,
                            address=ns.address, workers=ns.workers, gpus_per_worker=ns.gpus_per_worker,
-                           dicom_out=ns.dicom_out, dicom_heatmap=ns.dicom_heatmap)
+                           dicom_out=ns.dicom_out, dicom_heatmap=ns.dicom_heatmap, sr_processes=None)
     print_summary(summary)
     return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
 

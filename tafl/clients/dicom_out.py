@@ -6,15 +6,23 @@ renamed, before the input's row is appended to the results file, so `--resume` (
 already in the file) never leaves an input without its SR, and a kill leaves no half-written object.
 
 In-process (--package) the SR is built from the row's own facts (class, probability, each expert's vote)
-and the package's identity; a heatmap runs the package once more on that file. Through a service (--url)
-each DICOM input is sent once more with format=sr, and the service's SR (and SC) are stored as they come.
+and the package's identity; a heatmap runs the package once more on that file. Building one SR with highdicom
+is tens of milliseconds of pure Python, several times the scoring of a small image, so a job of many inputs
+builds them in min(2, cores) processes (tafl.serving.decoding.DecodePool: a deadline, and a process that dies is
+replaced) while this one scores the next inputs; rows still reach the results file in order, each after its SR.
+Through a service (--url) each DICOM input is sent once more with format=sr, and the service's SR (and SC)
+are stored as they come.
 An input whose SR cannot be made (a DICOM without the UIDs an SR must reference) keeps its row and is listed
 in the summary's `dicom_failed`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +44,8 @@ class DicomWriter:
     """Builds each DICOM input's SR (and SC) and, with an `out_dir`, writes them there (`write`); without one
     (`tafl score --dicomweb --store-sr`) `objects` only builds them, for the caller to file."""
 
-    def __init__(self, out_dir: str | Path | None, folder: Path | None, scorer: Any, heatmap: bool = False):
+    def __init__(self, out_dir: str | Path | None, folder: Path | None, scorer: Any, heatmap: bool = False,
+                 processes: int = 0):
         self.out = None if out_dir is None else Path(out_dir)
         self.folder, self.scorer, self.heatmap = folder, scorer, heatmap
         if self.out is not None:
@@ -48,6 +57,14 @@ class DicomWriter:
             raise ConfigError("--dicom-out works with in-process (--package) or service (--url) scoring")
         self.algo = (dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
                      if pkg is not None else None)
+        self.pool = None
+        if processes > 0 and self.algo is not None:  # through --url the service builds them
+            from tafl.serving.decoding import DecodePool
+
+            self.pool = DecodePool(processes, deadline=60.0)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.window = 4 * max(1, processes)  # SRs in the making at once, before the oldest is waited for
 
     def targets(self, rel: str) -> tuple[Path, Path]:
         base = self.out / rel
@@ -55,27 +72,77 @@ class DicomWriter:
 
     def write(self, row: Any) -> None:
         """The SR (and SC) of one scored row whose input is DICOM; anything else is left alone."""
+        self.finish(row, self.start(row))
+
+    def start(self, row: Any) -> concurrent.futures.Future | None:
+        """Start making the SR of one scored row (None: not a DICOM input, or not scored); `finish` writes it."""
         from tafl.clients.score import sniff
 
         src = self.folder / row.path
         if row.error or sniff(src) != "dicom":
+            return None
+        try:
+            data = src.read_bytes()
+        except OSError as exc:
+            return _failed(exc)
+        return self.submit(data, row)
+
+    def finish(self, row: Any, made: concurrent.futures.Future | None) -> None:
+        """Wait for the row's SR (and SC) and write them, the SC first (the SR references it); a failure is listed."""
+        if made is None:
             return
         try:
-            parts = self.objects(src.read_bytes(), row)
+            parts = made.result()
         except (TaflError, OSError) as exc:
             self.failed.append((row.path, getattr(exc, "message", None) or str(exc)[:200]))
             return
         sr_path, sc_path = self.targets(row.path)
         if len(parts) > 1:
-            _atomic(sc_path, parts[1])  # the SC first: the SR references it
+            _atomic(sc_path, parts[1])
         _atomic(sr_path, parts[0])
         self.written += 1
 
-    def objects(self, data: bytes, row: Any) -> list[bytes]:
-        """The SR's Part 10 bytes, then the heatmap SC's when asked; raises TaflError when none can be made."""
-        return self._remote(data) if self.algo is None else self._local(data, row)
+    def submit(self, data: bytes, row: Any) -> concurrent.futures.Future:
+        """The SR's Part 10 bytes, then the heatmap SC's when asked, as a future (it raises TaflError when none can
+        be made). In-process the heatmap runs here and the SR is built in the writer's processes, when it has
+        them; through the service the call is made here."""
+        try:
+            if self.algo is None:
+                return _done(self._remote(data))
+            build = self._local(data, row)
+        except (TaflError, OSError) as exc:
+            return _failed(exc)
+        if self.pool is None:
+            try:
+                return _done(build())
+            except TaflError as exc:
+                return _failed(exc)
+        return asyncio.run_coroutine_threadsafe(self.pool.call(
+            build, late="building the structured report took too long",
+            crashed="building the structured report made its process fail"), self._running_loop())
 
-    def _local(self, data: bytes, row: Any) -> list[bytes]:
+    def objects(self, data: bytes, row: Any) -> list[bytes]:
+        """`submit`, waited for."""
+        return self.submit(data, row).result()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:  # the pool's calls are coroutines: one loop in a thread of its own runs them all
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="tafl-sr-builds", daemon=True)
+            self._thread.start()
+        return self._loop
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+            self._loop = None
+
+    def _local(self, data: bytes, row: Any) -> functools.partial:
+        """What builds the SR (and SC): a picklable call, with the heatmap (an ONNX run) already made here."""
         names = self.algo.class_names
         idx = {n: i for i, n in enumerate(names)}
         finding = dicom_sr.Finding(int(row.label), float(row.probability),
@@ -92,7 +159,7 @@ class DicomWriter:
             rgb = overlay(frame, out["heatmap"][0])
             if len(decoded.frames) > 1:
                 finding.frame = 1
-        return dicom_sr.encoded(dicom_sr.read_header(data), finding, self.algo, rgb)
+        return functools.partial(dicom_sr.encoded, dicom_sr.read_header(data), finding, self.algo, rgb)
 
     def _remote(self, data: bytes) -> list[bytes]:
         client = self.scorer.client
@@ -105,6 +172,25 @@ class DicomWriter:
         if ctype.startswith("multipart/related"):
             return _split(r.content, ctype)
         return [r.content]
+
+
+def processes_for(n: int) -> int:
+    """SR-building processes for a job of `n` inputs: min(2, cores) from 16 inputs on (fewer do not repay the
+    seconds a process takes to start and load highdicom), none on one core."""
+    cores = os.cpu_count() or 1
+    return min(2, cores) if n >= 16 and cores >= 2 else 0
+
+
+def _done(value: Any) -> concurrent.futures.Future:
+    f: concurrent.futures.Future = concurrent.futures.Future()
+    f.set_result(value)
+    return f
+
+
+def _failed(exc: BaseException) -> concurrent.futures.Future:
+    f: concurrent.futures.Future = concurrent.futures.Future()
+    f.set_exception(exc)
+    return f
 
 
 def _split(body: bytes, content_type: str) -> list[bytes]:

@@ -240,10 +240,12 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                    since: str | None = None, modality: str | None = None, store_sr: bool = False,
                    heatmap: bool = False, concurrency: int = 4, batch_size: int = 16, resume: bool = False,
                    force: bool = False, progress: bool | None = None, on_row: Callable[[Any], None] | None = None,
-                   prior: str = "train", retries: int = 5, backoff: float = 0.5) -> dict[str, Any]:
+                   prior: str = "train", retries: int = 5, backoff: float = 0.5,
+                   sr_processes: int | None = 0) -> dict[str, Any]:
     """Score the instances QIDO finds on `dicomweb` into `out` (see the module's text); the folder job's summary,
-    plus `stored_sr` (instances whose SR was filed) and `sr_refused`."""
-    from tafl.clients.dicom_out import DicomWriter
+    plus `stored_sr` (instances whose SR was filed) and `sr_refused`. `sr_processes` as for
+    tafl.clients.score.score_folder (None: min(2, cores) for 16 instances or more, as `tafl score` does)."""
+    from tafl.clients.dicom_out import DicomWriter, processes_for
     from tafl.clients.score import ResultsFile, Row, make_scorer, summarise
 
     out = Path(out)
@@ -276,7 +278,10 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     results = ResultsFile(out, experts, resume=resume, force=force,
                           num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
     todo = [r for r in images if r.key not in results.done]
-    writer = DicomWriter(None, None, scorer, heatmap=heatmap) if store_sr else None
+    writer = None
+    if store_sr:
+        procs = processes_for(len(todo)) if sr_processes is None else sr_processes
+        writer = DicomWriter(None, None, scorer, heatmap=heatmap, processes=procs)
     counts: dict[str, int] = dict(results.done_counts)
     failed: list[tuple[str, str]] = []
     skipped = [r.key for r in others]
@@ -305,20 +310,24 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
             return ref, path, ""
         return list(fetchers.map(one, chunk))
 
-    def file_chunk(rows: list[tuple[Any, Path | None]]) -> list[Any]:
+    def make_srs(rows: list[tuple[Any, Path | None]]) -> dict[int, Any]:
+        """Start building the batch's SRs (side by side in the writer's processes, when it has them)."""
+        return {i: writer.submit(path.read_bytes(), row) for i, (row, path) in enumerate(rows)
+                if not row.error and path is not None}
+
+    def file_chunk(rows: list[tuple[Any, Path | None]], making: dict[int, Any] | None) -> list[Any]:
         """STOW the batch's SRs (one request), then mark what was refused; the rows, in order."""
         if writer is None:
             return [r for r, _ in rows]
         import pydicom
 
+        making = make_srs(rows) if making is None else making
         objects: dict[int, list[Any]] = {}
-        for i, (row, path) in enumerate(rows):
-            if row.error or path is None:
-                continue
+        for i, made in making.items():
             try:
-                objects[i] = [pydicom.dcmread(io.BytesIO(b)) for b in writer.objects(path.read_bytes(), row)]
+                objects[i] = [pydicom.dcmread(io.BytesIO(b)) for b in made.result()]
             except TaflError as exc:
-                row.error = f"SR not made: {exc.message}"
+                rows[i][0].error = f"SR not made: {exc.message}"
         if objects:
             try:
                 refused = pacs.store([d for ds in objects.values() for d in ds])
@@ -335,9 +344,9 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                     state["stored"] += 1
         return [r for r, _ in rows]
 
-    def file_and_clean(rows: list[tuple[Any, Path | None]]) -> list[Any]:
+    def file_and_clean(rows: list[tuple[Any, Path | None]], making: dict[int, Any] | None) -> list[Any]:
         try:
-            return file_chunk(rows)
+            return file_chunk(rows, making)
         finally:
             for _, path in rows:
                 if path is not None:
@@ -381,9 +390,11 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                 fetched = next_fetch.result()
                 next_fetch = stage.submit(fetch_chunk, chunks[i + 1]) if i + 1 < len(chunks) else None
                 rows = score_chunk(fetched)
+                # with processes, this batch's SRs are built while the last batch's are still being filed
+                making = make_srs(rows) if writer is not None and writer.pool is not None else None
                 if filing is not None:
                     emit(filing.result(), bar)
-                filing = stage.submit(file_and_clean, rows)
+                filing = stage.submit(file_and_clean, rows, making)
             if filing is not None:
                 emit(filing.result(), bar)
     finally:
@@ -391,6 +402,8 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
         stage.shutdown(wait=True, cancel_futures=True)
         results.close()
         scorer.close()
+        if writer is not None:
+            writer.close()
         spool.cleanup()
     summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo),
                         predicted_now=state["predicted"], failed=failed, skipped=skipped, explicit=explicit,

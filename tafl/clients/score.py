@@ -17,6 +17,7 @@ string that is a plain number (-1.5) and numeric cells stay as they are. JSONL k
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import csv
 import io
@@ -290,13 +291,17 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
                  resume: bool = False, force: bool = False, progress: bool | None = None,
                  on_row: Callable[[Row], None] | None = None, prior: str = "train", engine: str = "local",
                  address: str | None = None, workers: int | None = None, gpus_per_worker: float = 0.0,
-                 dicom_out: str | Path | None = None, dicom_heatmap: bool = False) -> dict[str, Any]:
+                 dicom_out: str | Path | None = None, dicom_heatmap: bool = False,
+                 sr_processes: int | None = 0) -> dict[str, Any]:
     """`engine`: local (this process) or ray (tafl.clients.ray_engine: a pool of `workers` actors on the Ray cluster
     at `address`, or on a local instance started for the job, each with `gpus_per_worker` GPUs; needs --package).
     `prior`: train (the model's own rule); adaptive (each row keeps its calibrated posteriors; at the end the
     folder's class mix is estimated from all of them and every row is re-decided for it, without a second
     inference: the file gains adaptive_label and adaptive_class_name); or comma-separated class probabilities
-    (the graph decides for that prior)."""
+    (the graph decides for that prior).
+    `sr_processes`: processes that build the --dicom-out SRs while this one scores (None: min(2, cores) for 16
+    inputs or more, as `tafl score` does; 0: built here). They are spawned, so a script that passes one must
+    start its work under `if __name__ == "__main__":`."""
     folder, out = Path(folder), Path(out)
     mode = (prior or "train").strip().lower()
     adaptive = mode == "adaptive"
@@ -341,9 +346,10 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     todo = [p for p in images if rel(p) not in results.done]
     dicom = None
     if dicom_out is not None:  # SR (+ heatmap SC) per DICOM input, written before its row: tafl.clients.dicom_out
-        from tafl.clients.dicom_out import DicomWriter
+        from tafl.clients.dicom_out import DicomWriter, processes_for
 
-        dicom = DicomWriter(dicom_out, folder, scorer, heatmap=dicom_heatmap)
+        procs = processes_for(len(todo)) if sr_processes is None else sr_processes
+        dicom = DicomWriter(dicom_out, folder, scorer, heatmap=dicom_heatmap, processes=procs)
     counts: dict[str, int] = dict(results.done_counts)  # the class mix of the whole file, earlier rows too
     failed: list[tuple[str, str]] = []
     predicted_now = 0
@@ -352,9 +358,8 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     try:
         with tqdm(total=len(images), initial=len(images) - len(todo), unit="img", desc="scoring",
                   disable=(not progress) if progress is not None else None, dynamic_ncols=True) as bar:
-            for row in scorer.score(todo, rel):
-                if dicom is not None:
-                    dicom.write(row)
+            def emit(row: Row) -> None:
+                nonlocal predicted_now
                 results.write(row)
                 if row.error:
                     failed.append((row.path, row.error))
@@ -364,9 +369,28 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
                 if on_row:
                     on_row(row)
                 bar.update(1)
+
+            # with --dicom-out a row is written after its SR (so --resume never skips an input without one),
+            # and in order; the SRs are made while the next inputs are scored
+            making: collections.deque = collections.deque()
+            for row in scorer.score(todo, rel):
+                if dicom is None:
+                    emit(row)
+                    continue
+                making.append((row, dicom.start(row)))
+                while making and (len(making) > dicom.window or making[0][1] is None or making[0][1].done()):
+                    done, made = making.popleft()
+                    dicom.finish(done, made)
+                    emit(done)
+            while making:
+                done, made = making.popleft()
+                dicom.finish(done, made)
+                emit(done)
     finally:
         results.close()
         scorer.close()
+        if dicom is not None:
+            dicom.close()
     summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo), predicted_now=predicted_now,
                         failed=failed, skipped=[rel(p) for p in skipped], explicit=explicit, adaptive=adaptive)
     if dicom is not None:

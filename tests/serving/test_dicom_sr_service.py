@@ -153,3 +153,39 @@ def test_shared_real_dicoms_through_the_service(auth_server):
         refs = {x.ReferencedSOPInstanceUID for s in sr.CurrentRequestedProcedureEvidenceSequence
                 for se in s.ReferencedSeriesSequence for x in se.ReferencedSOPSequence}
         assert src.SOPInstanceUID in refs and pydicom.dcmread(io.BytesIO(sc_b)).SOPInstanceUID in refs
+
+
+def test_score_dicom_out_with_sr_processes_gives_what_this_process_gives(gtafl_pkg, tmp_path):
+    """A job of many inputs builds its SRs in other processes (as `tafl score` does from 16 on): the same SRs as
+    built here, the rows in the same order, each row after its SR, and an SR that cannot be made listed."""
+    from tafl.clients.score import score_folder
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    names = ("CT_small.dcm", "MR_small.dcm", "MR_small_RLE.dcm")
+    for i in range(18):
+        ds = pydicom.dcmread(get_testdata_file(names[i % 3]))
+        ds.SOPInstanceUID = pydicom.uid.generate_uid(entropy_srcs=["pool", str(i)])
+        ds.save_as(folder / f"{i:02d}.dcm")
+    no_study = pydicom.dcmread(get_testdata_file("CT_small.dcm"))
+    del no_study.StudyInstanceUID  # scored, but no SR can reference its study
+    no_study.save_as(folder / "99-no-study.dcm")
+    (folder / "digit.png").write_bytes(digit_png(3))
+    runs = {}
+    for procs in (0, 2):
+        out, dicom = tmp_path / f"r{procs}.csv", tmp_path / f"dicom{procs}"
+        s = score_folder(folder, out, package=str(gtafl_pkg), dicom_out=dicom, dicom_heatmap=True, progress=False,
+                         sr_processes=procs)
+        runs[procs] = (s, [r["path"] for r in csv.DictReader(open(out))], dicom)
+    (s0, order0, d0), (s2, order2, d2) = runs[0], runs[2]
+    assert s2["dicom_written"] == s0["dicom_written"] == 18 and s2["predicted"] == 20
+    assert [p for p, _ in s2["dicom_failed"]] == [p for p, _ in s0["dicom_failed"]] == ["99-no-study.dcm"]
+    assert order2 == order0 and len(order2) == 20
+    for p in sorted(d0.rglob("*.dcm")):
+        built_here, built_there = pydicom.dcmread(p), pydicom.dcmread(d2 / p.relative_to(d0))
+        assert built_there.SOPInstanceUID == built_here.SOPInstanceUID  # derived from the source and the model
+        if built_here.SOPClassUID == dicom_sr.SR_STORAGE:
+            assert _finding(built_there) == _finding(built_here)
+        else:
+            assert built_there.pixel_array.tobytes() == built_here.pixel_array.tobytes()  # the heatmap
+    assert len(list(d2.rglob("*.heatmap.dcm"))) == 18 and not list(d2.rglob("*.part"))
