@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import io
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -189,3 +191,9 @@ def test_score_dicom_out_with_sr_processes_gives_what_this_process_gives(gtafl_p
         else:
             assert built_there.pixel_array.tobytes() == built_here.pixel_array.tobytes()  # the heatmap
     assert len(list(d2.rglob("*.heatmap.dcm"))) == 18 and not list(d2.rglob("*.part"))
+    # `tafl score` itself (its processes are spawned from the command's own entry point)
+    cli = subprocess.run([sys.executable, "-m", "tafl.cli", "score", str(folder), "--out", str(tmp_path / "cli.csv"),
+                          "--package", str(gtafl_pkg), "--dicom-out", str(tmp_path / "cli"), "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert len(list((tmp_path / "cli").rglob("*.sr.dcm"))) == 18 and "99-no-study.dcm" in cli.stdout + cli.stderr
