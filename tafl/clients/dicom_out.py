@@ -65,6 +65,9 @@ class DicomWriter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.window = 4 * max(1, processes)  # SRs in the making at once, before the oldest is waited for
+        # at most `window` queued in the processes: the pool's deadline counts from the submission, so a long
+        # queue (a DICOMweb batch of hundreds) must not eat it; a caller past the window waits here
+        self._slots = threading.BoundedSemaphore(self.window)
 
     def targets(self, rel: str) -> tuple[Path, Path]:
         base = self.out / rel
@@ -117,9 +120,12 @@ class DicomWriter:
                 return _done(build())
             except TaflError as exc:
                 return _failed(exc)
-        return asyncio.run_coroutine_threadsafe(self.pool.call(
+        self._slots.acquire()
+        made = asyncio.run_coroutine_threadsafe(self.pool.call(
             build, late="building the structured report took too long",
             crashed="building the structured report made its process fail"), self._running_loop())
+        made.add_done_callback(lambda _: self._slots.release())
+        return made
 
     def objects(self, data: bytes, row: Any) -> list[bytes]:
         """`submit`, waited for."""
