@@ -8,7 +8,7 @@ already in the file) never leaves an input without its SR, and a kill leaves no 
 In-process (--package) the SR is built from the row's own facts (class, probability, each expert's vote)
 and the package's identity; a heatmap runs the package once more on that file. Building one SR with highdicom
 is tens of milliseconds of pure Python, several times the scoring of a small image, so a job of many inputs
-builds them in min(2, cores) processes (tafl.serving.decoding.DecodePool: a deadline, and a process that dies is
+builds them in min(2, cores) processes (tafl.imaging.pool.DecodePool: a deadline; a process that dies is
 replaced) while this one scores the next inputs; rows still reach the results file in order, each after its SR.
 Through a service (--url) each DICOM input is sent once more with format=sr, and the service's SR (and SC)
 are stored as they come.
@@ -59,7 +59,7 @@ class DicomWriter:
                      if pkg is not None else None)
         self.pool = None
         if processes > 0 and self.algo is not None:  # through --url the service builds them
-            from tafl.serving.decoding import DecodePool
+            from tafl.imaging.pool import DecodePool
 
             self.pool = DecodePool(processes, deadline=60.0)
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -1,4 +1,4 @@
-"""The service's DICOM decoder processes (tafl.serving.decoding.DecodePool): the same frames as decoding
+"""The DICOM decoder processes (tafl.imaging.pool.DecodePool, used by tafl.serving.decoding): the same frames as decoding
 in-process, pools retired after their quota without a hang, and a decoder process killed mid-decode is
 replaced and its files decoded again (the service answers, nobody gets a 500)."""
 
@@ -16,7 +16,7 @@ import pytest
 
 from tafl.errors import UnprocessableImage, UnsupportedMedia
 from tafl.imaging import decode_image
-from tafl.serving import decoding
+from tafl.imaging import pool as pool_module
 from tafl.serving.decoding import DecodePool, decode_upload
 from tests.conftest import digit_png, shared
 
@@ -47,7 +47,7 @@ def test_decoder_processes_give_the_frames_of_an_in_process_decode(pool):
 
 
 def test_a_pool_is_retired_after_its_quota_without_hanging(pool, monkeypatch):
-    monkeypatch.setattr(decoding, "TASKS_PER_POOL", 5)
+    monkeypatch.setattr(pool_module, "TASKS_PER_POOL", 5)
 
     async def go():
         return await asyncio.wait_for(asyncio.gather(*(pool.decode(CT) for _ in range(40))), 120)
