@@ -41,8 +41,8 @@ def _atomic(path: Path, data: bytes) -> None:
 
 
 class DicomWriter:
-    """Builds each DICOM input's SR (and SC) and, with an `out_dir`, writes them there (`write`); without one
-    (`tafl score --dicomweb --store-sr`) `objects` only builds them, for the caller to file."""
+    """Builds each DICOM input's SR (and SC) and, with an `out_dir`, writes them there (`start`, then `finish`);
+    without one (`tafl score --dicomweb --store-sr`) `submit` only builds them, for the caller to file."""
 
     def __init__(self, out_dir: str | Path | None, folder: Path | None, scorer: Any, heatmap: bool = False,
                  processes: int = 0):
@@ -72,10 +72,6 @@ class DicomWriter:
     def targets(self, rel: str) -> tuple[Path, Path]:
         base = self.out / rel
         return base.with_name(base.name + ".sr.dcm"), base.with_name(base.name + ".heatmap.dcm")
-
-    def write(self, row: Any) -> None:
-        """The SR (and SC) of one scored row whose input is DICOM; anything else is left alone."""
-        self.finish(row, self.start(row))
 
     def start(self, row: Any) -> concurrent.futures.Future | None:
         """Start making the SR of one scored row (None: not a DICOM input, or not scored); `finish` writes it."""
@@ -121,15 +117,10 @@ class DicomWriter:
             except TaflError as exc:
                 return _failed(exc)
         self._slots.acquire()
-        made = asyncio.run_coroutine_threadsafe(self.pool.call(
-            build, late="building the structured report took too long",
-            crashed="building the structured report made its process fail"), self._running_loop())
+        made = asyncio.run_coroutine_threadsafe(
+            self.pool.call(build, late=dicom_sr.BUILD_LATE, crashed=dicom_sr.BUILD_CRASHED), self._running_loop())
         made.add_done_callback(lambda _: self._slots.release())
         return made
-
-    def objects(self, data: bytes, row: Any) -> list[bytes]:
-        """`submit`, waited for."""
-        return self.submit(data, row).result()
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:  # the pool's calls are coroutines: one loop in a thread of its own runs them all

@@ -286,6 +286,11 @@ def build(source, finding: Finding, algo: Algorithm, overlay_rgb: np.ndarray | N
                                      "standard, export it again and resend it") from None
 
 
+# what a caller that runs `encoded` in a worker process (tafl.imaging.pool) says when it fails there
+BUILD_LATE = "building the structured report took too long"
+BUILD_CRASHED = "building the structured report made its process fail"
+
+
 def encoded(source, finding: Finding, algo: Algorithm, overlay_rgb: np.ndarray | None = None) -> list[bytes]:
     """[SR] or [SR, SC] as Part 10 files (`build`, then `to_bytes`). A plain function of picklable arguments, so
     it can run in another process: with highdicom it costs tens of milliseconds of pure Python (holding the GIL)

@@ -348,8 +348,7 @@ class Listener:
             # SCP's threads need to receive the next instances
             parts = loop.run_until_complete(self.pool.call(
                 functools.partial(dicom_sr.encoded, source, finding, self.algo, rgb),
-                late="building the structured report took too long", crashed="building the structured report "
-                "made its process fail"))
+                late=dicom_sr.BUILD_LATE, crashed=dicom_sr.BUILD_CRASHED))
         except TaflError as exc:
             return self._fail(path, uid, exc)
         self.stats["classified"] += 1
