@@ -5,7 +5,8 @@ the packaging loader, and runs each in ONNX Runtime with the CUDA provider first
 provider second; the providers actually in use are logged and reported. `Batcher` is the
 adaptive batching of the model call: requests queue per model; the dispatcher takes whatever is
 waiting (up to `max_batch` images, waiting at most `max_wait_ms` for company), so an idle service
-answers a lone request at once while a busy one forms larger batches on its own. A new package
+answers a lone request at once while a busy one forms larger batches on its own. Up to `lanes` model calls
+run at once (TAFL_MODEL_LANES; on the CPU three of one thread each on 2 cores, see `cpu_lanes`). A new package
 version can be swapped in while the old one finishes its in-flight requests (`swap`); what a
 reload may load is `reload_target`'s policy (BentoML tags, or folders inside TAFL_PACKAGE_ROOT), and
 with TAFL_TRUSTED_KEYS every load verifies the package's Ed25519 signature first.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import re
 import threading
 import time
@@ -143,16 +145,39 @@ def reload_error(exc: PackageError, target: ReloadTarget) -> PackageError:
     return PackageError(f"{what} was refused: {reason}")
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_lanes() -> int:
+    """Model calls in flight at once on the CPU when TAFL_MODEL_LANES is unset: three where there are two cores or
+    more (each on cores // 3 threads, at least one), one on a single core. On 2 cores three lanes of one thread
+    served 1.16x the images of one call on two threads (docs/results.md §19.1): ONNX Runtime's pool no longer spins
+    against the event loop, and while two lanes run the model the third's batch is ready the moment a core frees."""
+    return 3 if cpu_cores() > 1 else 1
+
+
 class Batcher:
     """Adaptive batching of one model's calls."""
 
-    def __init__(self, run, max_batch: int = 64, max_wait_ms: float = 2.0):
-        self.run = run  # (N, C, H, W) float32 -> dict of arrays with N rows
+    def __init__(self, run, max_batch: int = 64, max_wait_ms: float = 2.0, lanes: int = 1):
+        self.run = run  # (N, C, H, W) float32 -> dict of arrays with N rows; must allow `lanes` calls at once
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
+        # model calls in flight at once, each in a thread of its own (`model_lanes`): while one lane runs the
+        # model, the next batch forms and starts on another
+        self.lanes = max(1, int(lanes))
         self.queue: asyncio.Queue | None = None
+        self.slots: asyncio.Semaphore | None = None  # one per lane
         self.task: asyncio.Task | None = None
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tafl-infer")
+        self.calls: set[asyncio.Task] = set()  # the model calls running now
+        self.queued = 0  # images waiting in the queue
+        self.running = 0  # images in the model calls running now
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="tafl-infer")
         self.batch_sizes: list[int] = []  # the last few, for /models
         self.isolated_failures = 0  # failed batches re-run request by request
 
@@ -161,13 +186,16 @@ class Batcher:
         log_prior_ratio input), while the rest of their batch keeps its own. A submission of more than
         `max_batch` images is split into chunks of at most `max_batch`, so no model call grows past it."""
         if self.task is None or self.task.done():
-            self.queue = asyncio.Queue()
+            self.queue, self.slots = asyncio.Queue(), asyncio.Semaphore(self.lanes)
+            self.queued = self.running = 0
             self.task = asyncio.get_running_loop().create_task(self._loop())
         loop = asyncio.get_running_loop()
         futs = []
         for start in range(0, max(len(x), 1), self.max_batch):
             fut: asyncio.Future = loop.create_future()
-            await self.queue.put((x[start:start + self.max_batch], prior_ratio, fut))
+            chunk = x[start:start + self.max_batch]
+            self.queued += len(chunk)
+            await self.queue.put((chunk, prior_ratio, fut))
             futs.append(fut)
         if len(futs) == 1:
             return await futs[0]
@@ -179,58 +207,101 @@ class Batcher:
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     async def _loop(self) -> None:
-        assert self.queue is not None
+        assert self.queue is not None and self.slots is not None
         loop = asyncio.get_running_loop()
         carry = None  # a submission that did not fit the last batch opens the next one
         while True:
-            items = [carry if carry is not None else await self.queue.get()]
-            carry = None
-            rows = len(items[0][0])
-            deadline = loop.time() + self.max_wait
-            while rows < self.max_batch:
-                try:
-                    nxt = self.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        break
-                    try:
-                        nxt = await asyncio.wait_for(self.queue.get(), left)
-                    except asyncio.TimeoutError:
-                        break
-                if rows + len(nxt[0]) > self.max_batch:  # no model call grows past max_batch
-                    carry = nxt
-                    break
-                items.append(nxt)
-                rows += len(nxt[0])
-            live = [(x, r, f) for x, r, f in items if not f.done()]  # a timed-out request no longer waits
-            if not live:
-                continue
-            batch = np.concatenate([x for x, _, _ in live])
-            ratios = None
-            if any(r is not None for _, r, _ in live):  # one prior row per image; zeros keep the plain rule
-                C = len(next(r for _, r, _ in live if r is not None))
-                ratios = np.concatenate([np.broadcast_to(np.zeros(C, np.float32) if r is None else
-                                                         np.asarray(r, np.float32), (len(x), C)) for x, r, _ in live])
-            self.batch_sizes = (self.batch_sizes + [len(batch)])[-100:]
+            await self.slots.acquire()  # a free lane first: while every lane runs, the queue grows the next batch
             try:
-                out = await loop.run_in_executor(self.pool, self.run, batch, ratios)
-            except Exception as exc:  # noqa: BLE001
-                if len(live) == 1:
-                    live[0][2].done() or live[0][2].set_exception(exc)
-                else:  # one request's images must not fail the others batched with it: run each alone
-                    self.isolated_failures += 1
-                    log.warning("a batch of %d requests failed (%s); running them one by one", len(live),
-                                type(exc).__name__)
-                    for x, r, f in live:
-                        await self._run_alone(loop, x, r, f)
+                live, carry = await self._collect(loop, carry)
+            except BaseException:
+                self.slots.release()
+                raise
+            if not live:
+                self.slots.release()
                 continue
-            start = 0
-            for x, _, f in live:
-                n = len(x)
-                if not f.done():
-                    f.set_result({k: v[start:start + n] for k, v in out.items()})
-                start += n
+            n = sum(len(x) for x, _, _ in live)
+            self.running += n  # counted now: the next batch's share (`lane_cap`) forms before this call starts
+            call = loop.create_task(self._call(loop, live, n))
+            self.calls.add(call)  # held until done: the event loop keeps only a weak reference to a task
+            call.add_done_callback(self.calls.discard)
+
+    async def _collect(self, loop, carry) -> tuple[list, Any]:
+        """The next batch: whatever waits (`carry` first), up to `lane_cap` images, waiting at most `max_wait`
+        for company; the submission that did not fit is returned to open the batch after."""
+        assert self.queue is not None
+        items = [carry if carry is not None else self._take(await self.queue.get())]
+        carry = None
+        rows = len(items[0][0])
+        deadline = loop.time() + self.max_wait
+        while rows < self.lane_cap(rows):
+            try:
+                nxt = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    nxt = await asyncio.wait_for(self.queue.get(), left)
+                except asyncio.TimeoutError:
+                    break
+            self._take(nxt)
+            if rows + len(nxt[0]) > self.max_batch:  # no model call grows past max_batch
+                carry = nxt
+                break
+            items.append(nxt)
+            rows += len(nxt[0])
+        return [(x, r, f) for x, r, f in items if not f.done()], carry  # a timed-out request no longer waits
+
+    def _take(self, item: tuple) -> tuple:
+        self.queued -= len(item[0])
+        return item
+
+    def lane_cap(self, rows: int) -> int:
+        """Images the batch forming now may grow to, `rows` of them in hand: `max_batch` with one lane; with several,
+        a lane's share of every image in the house (in hand, queued and running), so no lane takes the whole queue
+        while another idles - on the CPU each lane is one thread, and every client would wait on it. A lone
+        request on an idle service goes at once (its share is itself)."""
+        if self.lanes == 1:
+            return self.max_batch
+        return min(self.max_batch, max(1, -(-(rows + self.queued + self.running) // self.lanes)))
+
+    async def _call(self, loop, live: list, n: int) -> None:
+        """One model call on a lane for the batched submissions `live` (`n` images); the lane is free again at its
+        end."""
+        assert self.slots is not None
+        try:
+            await self._run_batch(loop, live)
+        finally:
+            self.running -= n
+            self.slots.release()
+
+    async def _run_batch(self, loop, live: list) -> None:
+        batch = np.concatenate([x for x, _, _ in live])
+        ratios = None
+        if any(r is not None for _, r, _ in live):  # one prior row per image; zeros keep the plain rule
+            C = len(next(r for _, r, _ in live if r is not None))
+            ratios = np.concatenate([np.broadcast_to(np.zeros(C, np.float32) if r is None else
+                                                     np.asarray(r, np.float32), (len(x), C)) for x, r, _ in live])
+        self.batch_sizes = (self.batch_sizes + [len(batch)])[-100:]
+        try:
+            out = await loop.run_in_executor(self.pool, self.run, batch, ratios)
+        except Exception as exc:  # noqa: BLE001
+            if len(live) == 1:
+                live[0][2].done() or live[0][2].set_exception(exc)
+            else:  # one request's images must not fail the others batched with it: run each alone
+                self.isolated_failures += 1
+                log.warning("a batch of %d requests failed (%s); running them one by one", len(live),
+                            type(exc).__name__)
+                for x, r, f in live:
+                    await self._run_alone(loop, x, r, f)
+            return
+        start = 0
+        for x, _, f in live:
+            n = len(x)
+            if not f.done():
+                f.set_result({k: v[start:start + n] for k, v in out.items()})
+            start += n
 
     async def _run_alone(self, loop, x: np.ndarray, r: np.ndarray | None, f: asyncio.Future) -> None:
         if f.done():
@@ -341,13 +412,14 @@ class LoadedModel:
                 "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at)),
                 "recent_batch_sizes": {"count": len(sizes), "mean": float(np.mean(sizes)) if sizes else None,
                                        "max": max(sizes) if sizes else None},
+                "lanes": self.batcher.lanes,  # model calls in flight at once (TAFL_MODEL_LANES)
                 "case_mix": self.monitor.describe() if self.monitor else None}
 
 
 class ModelRegistry:
     def __init__(self, refs: list[str], *, providers: list[str] | None = None, threads: int | None = None,
                  max_batch: int = 64, max_wait_ms: float = 2.0, prior_window: int = 500, prior_refresh: int = 50,
-                 prior_min_images: int = 100, trusted_keys: Any = None):
+                 prior_min_images: int = 100, trusted_keys: Any = None, lanes: int | None = None):
         from tafl.packaging.signing import load_trusted_keys, trusted_keys_from_env
 
         # read once: every load and reload verifies against the keys the service started with (None:
@@ -361,6 +433,7 @@ class ModelRegistry:
             raise PackageError("no model packages configured: set TAFL_PACKAGES to package folders or BentoML tags")
         self.providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
         self.threads, self.max_batch, self.max_wait_ms = threads, max_batch, max_wait_ms
+        self.lanes = lanes  # model calls in flight per model; None: `cpu_lanes()` on the CPU, 1 on CUDA
         self.models: dict[str, LoadedModel] = {}
         self.order: list[str] = []
         self.lock = threading.Lock()
@@ -374,8 +447,14 @@ class ModelRegistry:
     def _load(self, ref: str, label: str | None = None) -> LoadedModel:
         """`label`: what logs and /models show for `ref` (a reload's never names a host path)."""
         pkg = resolve_package(ref, self.trusted_keys)
-        session = pkg.session(self.providers, self.threads)  # from the verified bytes of model.onnx
+        # on the CPU, lanes of one thread each beat one call spread over every core (docs/results.md §19): ONNX
+        # Runtime's pool spins and contends with the event loop; on CUDA one call at a time feeds the GPU
+        lanes = self.lanes or cpu_lanes()
+        threads = self.threads or (max(1, cpu_cores() // lanes) if lanes > 1 else None)
+        session = pkg.session(self.providers, threads)  # from the verified bytes of model.onnx
         used = session.get_providers()
+        if self.lanes is None and "CUDAExecutionProvider" in used:
+            lanes = 1
         log.info("loaded model package %s %s from %s (%s); ONNX Runtime providers in use: %s", pkg.name,
                  pkg.version, label or ref, f"signed by key {pkg.signed_by}" if pkg.signed_by else "signature not "
                  "checked: no trusted keys", used)
@@ -406,7 +485,7 @@ class ModelRegistry:
             monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
                                    self.prior_refresh, self.prior_min_images,
                                    blocked=adaptive_blocked(pkg.metadata.get("prior")), estimator=estimator)
-        return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms), used, label or ref,
+        return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms, lanes), used, label or ref,
                            monitor=monitor)
 
     def get(self, name: str | None) -> LoadedModel:

@@ -70,7 +70,8 @@ class TaflService:
         settings = Settings.from_env()
         self.registry = ModelRegistry(settings.packages, threads=settings.ort_threads, max_batch=settings.max_batch,
                                       max_wait_ms=settings.batch_wait_ms, prior_window=settings.prior_window,
-                                      prior_refresh=settings.prior_refresh, prior_min_images=settings.prior_min_images)
+                                      prior_refresh=settings.prior_refresh, prior_min_images=settings.prior_min_images,
+                                      lanes=settings.model_lanes)
         self.state = ServingState.start(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
         setattr(APP.state, STATE_KEY, self.state)
         log.info("tafl service ready with %s (auth %s)", ", ".join(f"{m['name']} {m['version']}"

@@ -1,10 +1,12 @@
 """The service's adaptive batcher (tafl.serving.runtime.Batcher) on a numpy model: no call grows past
 max_batch, an oversized submission is split and joined back in order, and one request whose images make
-the model fail does not fail the requests batched with it."""
+the model fail does not fail the requests batched with it. With several lanes, calls run at once, no lane takes more
+than its share of the waiting images, and a failed call gives its lane back."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -80,3 +82,109 @@ def test_a_lone_failing_request_gets_its_own_error():
     b = Batcher(Model(), max_batch=4, max_wait_ms=1)
     with pytest.raises(RuntimeError):
         run(b.submit(np.array([[np.nan]], np.float32)))
+
+
+def test_two_lanes_run_two_model_calls_at_once():
+    """Each call waits at a barrier for a second call: only two calls in flight together get past it."""
+    barrier = threading.Barrier(2, timeout=5)
+
+    def model(batch, ratios=None):
+        barrier.wait()
+        return {"y": batch * 2}
+
+    b = Batcher(model, max_batch=64, max_wait_ms=1, lanes=2)
+
+    async def go():
+        xs = [np.full((1, 1), i, np.float32) for i in range(2)]
+        return xs, await asyncio.gather(*(b.submit(x) for x in xs))
+
+    xs, outs = run(go())  # one lane: the first call would wait at the barrier alone and break it
+    for x, o in zip(xs, outs):
+        assert np.array_equal(o["y"], x * 2)
+
+
+def test_one_lane_runs_one_call_at_a_time():
+    barrier = threading.Barrier(2, timeout=0.5)
+
+    def model(batch, ratios=None):
+        barrier.wait()
+        return {"y": batch}
+
+    b = Batcher(model, max_batch=1, max_wait_ms=1, lanes=1)
+
+    async def go():
+        return await asyncio.gather(*(b.submit(np.zeros((1, 1), np.float32)) for _ in range(2)),
+                                    return_exceptions=True)
+
+    assert all(isinstance(r, threading.BrokenBarrierError) for r in run(go()))
+
+
+def test_a_lane_takes_no_more_than_its_share_of_the_waiting_images():
+    model = Model()
+    b = Batcher(model, max_batch=64, max_wait_ms=20, lanes=2)
+
+    async def go():
+        xs = [np.full((1, 1), i, np.float32) for i in range(16)]
+        return xs, await asyncio.gather(*(b.submit(x) for x in xs))
+
+    xs, outs = run(go())
+    for x, o in zip(xs, outs):
+        assert np.array_equal(o["y"], x * 2)
+    # 16 images in the house and two lanes: no call takes more than 8 (one lane would take all 16 at once)
+    assert sum(model.calls) == 16 and max(model.calls) <= 8 and len(model.calls) >= 2
+    assert b.queued == 0 and b.running == 0
+
+
+def test_failed_calls_give_their_lanes_back():
+    model = Model()
+    b = Batcher(model, max_batch=4, max_wait_ms=1, lanes=2)
+
+    async def go():
+        for _ in range(5):  # more failures than lanes: a leaked lane would leave none for the next request
+            with pytest.raises(RuntimeError):
+                await b.submit(np.array([[np.nan]], np.float32))
+        return await asyncio.wait_for(b.submit(np.ones((3, 1), np.float32)), 5)
+
+    assert np.array_equal(run(go())["y"], np.full((3, 1), 2.0))
+    assert b.running == 0
+
+
+def test_a_cancelled_request_frees_its_lane_for_the_next():
+    release = threading.Event()
+
+    def model(batch, ratios=None):
+        release.wait(5)
+        return {"y": batch}
+
+    b = Batcher(model, max_batch=4, max_wait_ms=1, lanes=1)
+
+    async def go():
+        first = asyncio.ensure_future(b.submit(np.zeros((1, 1), np.float32)))
+        await asyncio.sleep(0.05)
+        first.cancel()  # its call runs on; the lane is free once it ends
+        release.set()
+        return await asyncio.wait_for(b.submit(np.ones((1, 1), np.float32)), 5)
+
+    assert np.array_equal(run(go())["y"], np.ones((1, 1)))
+
+
+def test_the_registry_runs_a_package_on_several_lanes_with_the_answers_of_one_call(gtafl_pkg):
+    """Concurrent ONNX Runtime calls on one session (a lane each) answer each image as one call on the whole
+    batch does; unset, the lanes follow the CPU (tafl.serving.runtime.cpu_lanes)."""
+    from tafl.serving.runtime import ModelRegistry, cpu_lanes
+
+    assert ModelRegistry([str(gtafl_pkg)], providers=["CPUExecutionProvider"]).get(None).batcher.lanes == cpu_lanes()
+    model = ModelRegistry([str(gtafl_pkg)], providers=["CPUExecutionProvider"], lanes=3).get(None)
+    assert model.batcher.lanes == 3
+    _, c, h, w = model.session.get_inputs()[0].shape
+    x = np.random.default_rng(0).normal(size=(12, c, h, w)).astype(np.float32)
+    whole = model.batcher.run(x)
+
+    async def go():
+        return await asyncio.gather(*(model.batcher.submit(x[i:i + 1]) for i in range(len(x))))
+
+    outs = run(go())
+    assert len(set(model.batcher.batch_sizes)) >= 1 and max(model.batcher.batch_sizes) <= 4  # 12 images, 3 lanes
+    for i, o in enumerate(outs):
+        for k, v in whole.items():
+            assert np.allclose(o[k], v[i:i + 1], atol=1e-5), k

@@ -50,7 +50,8 @@ def tight(odd_pkg, tmp_path_factory):
 
     base = tmp_path_factory.mktemp("svc_tight")
     env = {"BENTOML_HOME": str(base / "home"), "TAFL_AUDIT_LOG": str(base / "audit.jsonl"),
-           "TAFL_MAX_REQUEST_FRAMES": "6", "TAFL_MAX_BATCH": "4", "TAFL_MAX_CONCURRENCY": "2"}
+           "TAFL_MAX_REQUEST_FRAMES": "6", "TAFL_MAX_BATCH": "4", "TAFL_MAX_CONCURRENCY": "2",
+           "TAFL_MODEL_LANES": "2"}
     with ServerProcess([str(odd_pkg)], env=env, log_path=base / "service.log") as srv:
         srv.audit, srv.log = base / "audit.jsonl", base / "service.log"
         yield srv
@@ -102,7 +103,8 @@ def test_an_oversized_batch_is_split_to_the_max_batch_and_answered_in_order(tigh
     expect = pkg.run(pkg.session(), [decode_image(digit_png(i)).frames[0] for i in range(6)])["label"]
     assert labels == [int(v) for v in expect]
     m = next(m for m in httpx.get(f"{tight.url}/models", timeout=30).json()["models"] if m["name"] == MODEL)
-    assert m["recent_batch_sizes"]["max"] <= 4  # TAFL_MAX_BATCH
+    assert m["recent_batch_sizes"]["max"] <= 4  # TAFL_MAX_BATCH, with two lanes (TAFL_MODEL_LANES) running at once
+    assert m["lanes"] == 2
 
 
 def test_nan_metrics_and_non_latin_names_answer_without_a_500(tight):

@@ -44,6 +44,7 @@ def _tafl_serve(args: list[str], env: dict[str, str], timeout: float = 120) -> s
     ("TAFL_BATCH_WAIT_MS", "-2", "TAFL_BATCH_WAIT_MS must be at least 0, got '-2'"),
     ("TAFL_DECODE_PROCESSES", "-1", "TAFL_DECODE_PROCESSES must be at least 0, got '-1'"),
     ("TAFL_ORT_THREADS", "two", "TAFL_ORT_THREADS must be a whole number, got 'two'"),
+    ("TAFL_MODEL_LANES", "-1", "TAFL_MODEL_LANES must be at least 0, got '-1'"),
     ("TAFL_MAX_BATCH", "1.5", "TAFL_MAX_BATCH must be a whole number, got '1.5'"),
     ("TAFL_PRIOR_WINDOW", "x", "TAFL_PRIOR_WINDOW must be a whole number"),
     ("TAFL_PRIOR_REFRESH", "0", "TAFL_PRIOR_REFRESH must be positive"),
@@ -69,16 +70,19 @@ def test_a_bad_tafl_setting_is_one_config_error_naming_it(monkeypatch, name, bad
 def test_settings_read_their_numbers(monkeypatch):
     from tafl.serving.settings import Settings
 
-    for k in ("TAFL_MAX_FRAMES", "TAFL_ORT_THREADS", "TAFL_MAX_PIXELS", "TAFL_MAX_UPLOAD_MB"):
+    for k in ("TAFL_MAX_FRAMES", "TAFL_ORT_THREADS", "TAFL_MAX_PIXELS", "TAFL_MAX_UPLOAD_MB", "TAFL_MODEL_LANES"):
         monkeypatch.delenv(k, raising=False)
     s = Settings.from_env()
     assert (s.max_frames, s.ort_threads, s.max_pixels, s.max_upload_bytes) == (64, None, 50_000_000, 50 * 2**20)
+    assert s.model_lanes is None  # unset: chosen by the hardware (tafl.serving.runtime.cpu_lanes)
     monkeypatch.setenv("TAFL_MAX_FRAMES", " 12 ")
     monkeypatch.setenv("TAFL_ORT_THREADS", "3")
     monkeypatch.setenv("TAFL_MAX_PIXELS", "5e7")
     monkeypatch.setenv("TAFL_MAX_UPLOAD_MB", "0.5")
+    monkeypatch.setenv("TAFL_MODEL_LANES", "4")
     s = Settings.from_env()
     assert (s.max_frames, s.ort_threads, s.max_pixels, s.max_upload_bytes) == (12, 3, 50_000_000, 2**19)
+    assert s.model_lanes == 4
 
 
 def test_bentoml_serve_with_a_bad_setting_logs_it_and_exits(tmp_path):
