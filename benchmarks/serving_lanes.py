@@ -1,0 +1,121 @@
+"""Service throughput at concurrency 32 under settings variants of one package, side by side in one run.
+
+    python benchmarks/serving_lanes.py PKG [--rounds 3] [--seconds 10] [--variants JSON]
+
+Each round starts `bentoml serve` once per variant (its TAFL_* environment, e.g. the model lanes and ONNX Runtime
+threads), drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (the §5 setup; 3 s warm-up, then
+`--seconds`), reads the mean batch size from /models, and measures the in-process ceiling (decode + preprocess +
+ONNX Runtime on two threads, batched by 32; benchmarks/serving_bench.py) right after, so every ratio has its own
+ceiling. Variants alternate within a round, which spreads the shared machine's drift over all of them; the median
+ratio per variant is the result. Writes benchmarks/results/serving_lanes_NAME.{json,md} (NAME: the package's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from serving_bench import images, in_process, wrk_load  # noqa: E402
+from tafl.packaging import load_package  # noqa: E402
+from tafl.serving.launch import ServerProcess  # noqa: E402
+
+VARIANTS = {
+    "one call, ORT's own threads (the old default)": {"TAFL_MODEL_LANES": "1"},
+    "2 lanes": {"TAFL_MODEL_LANES": "2"},
+    "3 lanes (the default on 2+ cores)": {},
+}
+
+
+def summarize(rows: dict[str, list[dict]], variants: dict[str, dict]) -> dict[str, dict]:
+    """Per variant: its median throughput against the median of every round's ceiling (the in-process run does not
+    depend on the variant, and one slow ceiling on this shared machine would otherwise make one ratio), and its
+    median throughput ratio to the first variant in the same round (the machine's drift cancels)."""
+    ceiling = statistics.median(x["ceiling_img_s"] for v in rows.values() for x in v)
+    first = next(iter(rows.values()))
+    out = {}
+    for name, v in rows.items():
+        img_s = statistics.median(x["img_s"] for x in v)
+        out[name] = {"median_img_s": img_s, "median_ceiling_img_s": ceiling, "ratio": img_s / ceiling,
+                     "core_ms_beyond_model": 2000 * (1 / img_s - 1 / ceiling),
+                     "vs_first_same_round": statistics.median(x["img_s"] / f["img_s"] for x, f in zip(v, first)),
+                     "median_p99_ms": statistics.median(x["p99_ms"] for x in v), "env": variants[name]}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("package")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=int, default=10)
+    ap.add_argument("--variants", help="JSON: variant name -> TAFL_* environment (default: 1, 2 and 3 lanes)")
+    ap.add_argument("--report", metavar="JSON", help="only write the tables again from an earlier run's JSON")
+    ns = ap.parse_args()
+    if ns.report:
+        earlier = json.loads(Path(ns.report).read_text())
+        ns.rounds, ns.seconds = len(next(iter(earlier["rounds"].values()))), earlier["seconds"]
+        return report(ns, earlier["rounds"], {k: v["env"] for k, v in earlier["summary"].items()},
+                      load_package(Path(ns.package).resolve()).metadata, earlier["date"])
+    variants = json.loads(ns.variants) if ns.variants else VARIANTS
+    pkg = Path(ns.package).resolve()
+    meta = load_package(pkg).metadata
+    data = images(256)
+    logs = REPO / "benchmarks" / "out"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict]] = {k: [] for k in variants}
+    for r in range(ns.rounds):
+        for name, env in variants.items():
+            with ServerProcess([str(pkg)], env=dict(env, BENTOML_DO_NOT_TRACK="True"),
+                               log_path=logs / "serving_lanes.log") as srv:
+                wrk_load(srv.url, data[0], 32, seconds=3)
+                w = wrk_load(srv.url, data[0], 32, seconds=ns.seconds)
+                sizes = httpx.get(srv.url + "/models").json()["models"][0]["recent_batch_sizes"]
+            if not w:
+                sys.exit("wrk is not installed (apt-get install wrk)")
+            ceiling = in_process(pkg, data)["throughput_img_s"]
+            row = {"round": r, "img_s": w["throughput_img_s"], "p50_ms": w["p50_ms"], "p99_ms": w["p99_ms"],
+                   "errors": w["errors"], "ceiling_img_s": ceiling, "ratio": w["throughput_img_s"] / ceiling,
+                   "mean_batch": sizes["mean"],
+                   "core_ms_beyond_model": 2000 * (1 / w["throughput_img_s"] - 1 / ceiling)}
+            rows[name].append(row)
+            print(f"round {r} {name}: {row['img_s']:.0f} img/s, ceiling {ceiling:.0f}, ratio {row['ratio']:.2f}, "
+                  f"mean batch {row['mean_batch']:.1f}", flush=True)
+    return report(ns, rows, variants, meta, time.strftime("%Y-%m-%d"))
+
+
+def report(ns: argparse.Namespace, rows: dict[str, list[dict]], variants: dict[str, dict], meta: dict,
+           date: str) -> int:
+    """benchmarks/results/serving_lanes_NAME.{json,md} from the rounds' rows."""
+    summary = summarize(rows, variants)
+    out = {"date": date, "package": f"{meta['name']} {meta['version']}", "method": meta["method"],
+           "backbone": meta.get("backbone"), "concurrency": 32, "seconds": ns.seconds, "rounds": rows,
+           "summary": summary}
+    res = REPO / "benchmarks" / "results"
+    stem = f"serving_lanes_{meta['name']}"
+    (res / f"{stem}.json").write_text(json.dumps(out, indent=2))
+    lines = [f"# Model lanes: {out['package']} ({meta['method']}, {meta.get('backbone')}), {date}", "",
+             f"wrk at concurrency 32 for {ns.seconds} s per variant and round, {ns.rounds} rounds, the variants in turn "
+             "within each round. Ratio: the variant's median images/s over the median of all rounds' in-process "
+             f"ceilings ({next(iter(summary.values()))['median_ceiling_img_s']:.0f} img/s). Against the first: "
+             "median over rounds of images/s divided by the first variant's in the same round.", "",
+             "| variant | img/s | ratio to in-process | core-ms beyond the model | against the first | p99 ms | "
+             "img/s per round |", "|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        per = ", ".join(f"{x['img_s']:.0f}" for x in rows[name])
+        lines.append(f"| {name} | {s['median_img_s']:.0f} | **{s['ratio']:.2f}** | {s['core_ms_beyond_model']:.2f} | "
+                     f"{s['vs_first_same_round']:.2f}× | {s['median_p99_ms']:.0f} | {per} |")
+    (res / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
