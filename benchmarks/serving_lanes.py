@@ -117,5 +117,6 @@ def report(ns: argparse.Namespace, rows: dict[str, list[dict]], variants: dict[s
     print("\n".join(lines))
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
