@@ -47,8 +47,9 @@ def images(n: int) -> list[bytes]:
 
 
 def wrk_load(url: str, data: bytes, concurrency: int, model: str | None = None, seconds: int = 10,
-             fields: dict[str, str] | None = None) -> dict:
-    """The same POST with wrk (a C load generator), so the client costs the service little CPU."""
+             fields: dict[str, str] | None = None, field: str = "file") -> dict:
+    """The same POST with wrk (a C load generator), so the client costs the service little CPU; the image goes in
+    the multipart part `field`."""
     import re
     import shutil
     import subprocess
@@ -57,7 +58,7 @@ def wrk_load(url: str, data: bytes, concurrency: int, model: str | None = None, 
     if not shutil.which("wrk"):
         return {}
     boundary = "tafl-bench-boundary"
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.png\"\r\n"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"x.png\"\r\n"
             "Content-Type: image/png\r\n\r\n").encode() + data + "".join(
         f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}" for k, v in
         (fields or {}).items()).encode() + f"\r\n--{boundary}--\r\n".encode()
