@@ -6,7 +6,7 @@ provider second; the providers actually in use are logged and reported. `Batcher
 adaptive batching of the model call: requests queue per model; the dispatcher takes whatever is
 waiting (up to `max_batch` images, waiting at most `max_wait_ms` for company), so an idle service
 answers a lone request at once while a busy one forms larger batches on its own. Up to `lanes` model calls
-run at once (TAFL_MODEL_LANES; on the CPU three of one thread each on 2 cores, see `cpu_lanes`). A new package
+run at once (TAFL_MODEL_LANES, default 1; each lane then gets cores // lanes ONNX Runtime threads). A new package
 version can be swapped in while the old one finishes its in-flight requests (`swap`); what a
 reload may load is `reload_target`'s policy (BentoML tags, or folders inside TAFL_PACKAGE_ROOT), and
 with TAFL_TRUSTED_KEYS every load verifies the package's Ed25519 signature first.
@@ -151,14 +151,6 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def cpu_lanes() -> int:
-    """Model calls in flight at once on the CPU when TAFL_MODEL_LANES is unset: three where there are two cores or
-    more (each on cores // 3 threads, at least one), one on a single core. On 2 cores three lanes of one thread
-    served 1.16x the images of one call on two threads (docs/results.md §19.1): ONNX Runtime's pool no longer spins
-    against the event loop, and while two lanes run the model the third's batch is ready the moment a core frees."""
-    return 3 if cpu_cores() > 1 else 1
 
 
 class Batcher:
@@ -433,7 +425,7 @@ class ModelRegistry:
             raise PackageError("no model packages configured: set TAFL_PACKAGES to package folders or BentoML tags")
         self.providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
         self.threads, self.max_batch, self.max_wait_ms = threads, max_batch, max_wait_ms
-        self.lanes = lanes  # model calls in flight per model; None: `cpu_lanes()` on the CPU, 1 on CUDA
+        self.lanes = lanes  # model calls in flight per model (TAFL_MODEL_LANES); None: one
         self.models: dict[str, LoadedModel] = {}
         self.order: list[str] = []
         self.lock = threading.Lock()
@@ -447,14 +439,12 @@ class ModelRegistry:
     def _load(self, ref: str, label: str | None = None) -> LoadedModel:
         """`label`: what logs and /models show for `ref` (a reload's never names a host path)."""
         pkg = resolve_package(ref, self.trusted_keys)
-        # on the CPU, lanes of one thread each beat one call spread over every core (docs/results.md §19): ONNX
-        # Runtime's pool spins and contends with the event loop; on CUDA one call at a time feeds the GPU
-        lanes = self.lanes or cpu_lanes()
+        # several lanes on the CPU: each gets cores // lanes threads (three of one thread served 1.16x the images of
+        # one two-thread call on 2 cores, at about 130 MB more resident memory under the soak: docs/results.md §19.1)
+        lanes = self.lanes or 1
         threads = self.threads or (max(1, cpu_cores() // lanes) if lanes > 1 else None)
         session = pkg.session(self.providers, threads)  # from the verified bytes of model.onnx
         used = session.get_providers()
-        if self.lanes is None and "CUDAExecutionProvider" in used:
-            lanes = 1
         log.info("loaded model package %s %s from %s (%s); ONNX Runtime providers in use: %s", pkg.name,
                  pkg.version, label or ref, f"signed by key {pkg.signed_by}" if pkg.signed_by else "signature not "
                  "checked: no trusted keys", used)

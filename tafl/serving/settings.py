@@ -26,8 +26,8 @@ class Settings:
     timeout_s: float = 30.0
     max_batch: int = 64
     batch_wait_ms: float = 2.0
-    ort_threads: int | None = None  # ONNX Runtime's intra-op threads per model call; None: cores // model_lanes
-    model_lanes: int | None = None  # model calls in flight at once per model; None: 2 on a multi-core CPU, 1 on CUDA
+    ort_threads: int | None = None  # ONNX Runtime's threads per model call; None: its own, or cores // lanes
+    model_lanes: int | None = None  # model calls in flight at once per model; None: one
     audit_path: str | None = None
     prior_window: int = 500  # calibrated probability vectors kept per model for the case-mix estimate
     prior_refresh: int = 50  # served images between two estimates
@@ -57,7 +57,7 @@ class Settings:
                    max_batch=env_int("TAFL_MAX_BATCH", 64),
                    batch_wait_ms=env_float("TAFL_BATCH_WAIT_MS", 2.0, inclusive=True),
                    ort_threads=env_int("TAFL_ORT_THREADS", 0, minimum=0) or None,  # 0 or unset: cores // lanes
-                   model_lanes=env_int("TAFL_MODEL_LANES", 0, minimum=0) or None,  # 0 or unset: by the hardware
+                   model_lanes=env_int("TAFL_MODEL_LANES", 0, minimum=0) or None,  # 0 or unset: one
                    audit_path=env.get("TAFL_AUDIT_LOG") or None,
                    prior_window=env_int("TAFL_PRIOR_WINDOW", 500),
                    prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),

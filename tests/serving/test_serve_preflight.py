@@ -74,7 +74,7 @@ def test_settings_read_their_numbers(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     s = Settings.from_env()
     assert (s.max_frames, s.ort_threads, s.max_pixels, s.max_upload_bytes) == (64, None, 50_000_000, 50 * 2**20)
-    assert s.model_lanes is None  # unset: chosen by the hardware (tafl.serving.runtime.cpu_lanes)
+    assert s.model_lanes is None  # unset: one lane
     monkeypatch.setenv("TAFL_MAX_FRAMES", " 12 ")
     monkeypatch.setenv("TAFL_ORT_THREADS", "3")
     monkeypatch.setenv("TAFL_MAX_PIXELS", "5e7")
