@@ -3,7 +3,8 @@
     python benchmarks/serving_bentoml_batching.py PKG [--rounds 3] [--seconds 10]
 
 Issue 36 asked whether BentoML's `@bentoml.api(batchable=True)` with its own multipart input is cheaper than tafl's
-batcher and upload path. Each round starts tafl's service (its defaults: model lanes, every check) and the plain
+batcher and upload path. Each round starts tafl's service (three model lanes, TAFL_MODEL_LANES=3, and every check)
+and the plain
 service of benchmarks/bentoml_plain_service.py (BentoML's batching, nothing else), drives each with wrk at
 concurrency 32 posting one 28x28 DermaMNIST PNG for `--seconds`, and measures the in-process ceiling (decode +
 preprocess + ONNX Runtime, two threads, batched by 32) after them. The plain service answers only the label and
@@ -57,7 +58,7 @@ def main() -> int:
     rows: dict[str, list[dict]] = {"tafl /predict": [], "plain BentoML, batchable=True": []}
     ceilings = []
     for r in range(ns.rounds):
-        with ServerProcess([str(pkg)], env={"BENTOML_DO_NOT_TRACK": "True"},
+        with ServerProcess([str(pkg)], env={"BENTOML_DO_NOT_TRACK": "True", "TAFL_MODEL_LANES": "3"},
                            log_path=logs / "serving_bentoml_batching.log") as srv:
             wrk_load(srv.url, data[0], 32, seconds=3)
             rows["tafl /predict"].append(wrk_load(srv.url, data[0], 32, seconds=ns.seconds))

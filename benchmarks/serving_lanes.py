@@ -30,9 +30,9 @@ from tafl.packaging import load_package  # noqa: E402
 from tafl.serving.launch import ServerProcess  # noqa: E402
 
 VARIANTS = {
-    "one call, ORT's own threads (the old default)": {"TAFL_MODEL_LANES": "1"},
+    "one call, ORT's own threads (the default)": {},
     "2 lanes": {"TAFL_MODEL_LANES": "2"},
-    "3 lanes (the default on 2+ cores)": {},
+    "3 lanes": {"TAFL_MODEL_LANES": "3"},
 }
 
 
