@@ -56,7 +56,7 @@ class Settings:
                    timeout_s=env_float("TAFL_REQUEST_TIMEOUT_S", 30.0),
                    max_batch=env_int("TAFL_MAX_BATCH", 64),
                    batch_wait_ms=env_float("TAFL_BATCH_WAIT_MS", 2.0, inclusive=True),
-                   ort_threads=env_int("TAFL_ORT_THREADS", 0, minimum=0) or None,  # 0/unset: ORT's own, or cores // lanes
+                   ort_threads=env_int("TAFL_ORT_THREADS", 0, minimum=0) or None,  # unset: ORT's own or cores//lanes
                    model_lanes=env_int("TAFL_MODEL_LANES", 0, minimum=0) or None,  # 0 or unset: one
                    audit_path=env.get("TAFL_AUDIT_LOG") or None,
                    prior_window=env_int("TAFL_PRIOR_WINDOW", 500),
