@@ -5,6 +5,8 @@
 # ResNet-8 with DP-SGD and GTAFL runs --no-gs (docs/design.md §12); the inf rows are the non-private configurations as
 # they stand (BatchNorm, GI-GDS on). Full width is a GPU job (a FedAvg run is about 46 minutes on 2 cores without DP,
 # DP-SGD costs 2-5x that); WIDTH=0.5 quarters the compute.
+# SCOPE=head: the sites train the classifier head only, every row including inf (--train_scope head, the DP default
+# since 2026-12-06: docs/decisions.md §6.2); SCOPE=all: the whole network in every DP row (results.md §18's runs).
 # Usage: benchmarks/privacy_cost.sh [DATA_ROOT] [ROW ...]   ROW: gtafl | fedavg_la ; EPS="inf 8 3 1" SEEDS="1 2 3"
 #        PAR=2 (two runs side by side, one thread each), WIDTH=0.5, CONFIG=configs/sites_ham10000.yaml (with
 #        DATA_ROOT=../shared/data/ham10000: the four real sites), DEVICE=cuda (on a GPU machine)
@@ -18,7 +20,9 @@ seeds=${SEEDS:-1 2 3}
 par=${PAR:-1}
 config=${CONFIG:-configs/benchmark.yaml}
 width=${WIDTH:-}
+scope=${SCOPE:-all}
 tag=$(basename "$config" .yaml)${width:+_w$width}
+[[ $scope == head ]] && tag=${tag}_head
 jobs=()
 for s in $seeds; do
 for e in $eps_list; do
@@ -32,6 +36,7 @@ for r in $rows; do
     args+=(--dp_epsilon "$e")
     [[ $r == gtafl ]] && args+=(--gs false)
   fi
+  [[ $scope == head || $e != inf ]] && args+=(--train_scope "$scope")
   [[ -n $width ]] && args+=(--width "$width")
   [[ -n ${DEVICE:-} ]] && args+=(--device "$DEVICE")
   name=priv_${r}_e${e}_s${s}_${tag}

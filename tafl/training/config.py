@@ -42,6 +42,7 @@ FIXED_CHOICES: dict[str, tuple[str, ...]] = {
     "expert_form": ("shifted", "trained"),
     "vote": ("hard", "soft", "confidence", "learned"),
     "simclr_pool": ("val", "test", "train"),
+    "train_scope": ("all", "head"),
     "calibration": CALIBRATIONS,
     "calib_holdout_mode": HOLDOUT_MODES,
     "calib_source": ("experts", "uniform"),
@@ -221,6 +222,17 @@ class RunConfig:
     dp_stats_ratio: float = 3.0
     # Flower engine: every quantity the server only needs summed travels through Flower's SecAgg+ (docs/flower.md)
     secure_aggregation: bool = False
+    # what the sites train: all (the whole network) | head (the classifier head only, on the fixed extractor's
+    # features of their images as they are, in a whitened basis of head_basis_dim directions the server computes from
+    # its unlabeled pool; the extractor stays as the server made it: its seeded initialisation, --pretrain-steps,
+    # GTAFL's SimCLR). null: head with --dp-epsilon (DP-SGD's noise grows with the square root of the parameters it
+    # trains: docs/decisions.md §6.2), all without
+    train_scope: str | None = None
+    head_basis_dim: int = 64  # train_scope head: the server pool's principal directions the sites' head step spans
+    # server-side SimCLR steps on the unlabeled server pool (simclr_pool) before round 1, which spend no site's privacy
+    # budget; 0: none
+    pretrain_steps: int = 0
+    pretrain_lr: float = 0.1  # the pre-training's SGD learning rate (momentum 0.9; simclr_batch images a step)
     # --- ViT-DAFL (docs/design.md §5) ---
     loss: str = "dafl"  # dafl | focal | ce (the loss ablation)
     gamma_init: float = 2.0  # focusing parameter γ at the start (learnable for dafl unless gamma_fixed)
@@ -297,6 +309,9 @@ class RunConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"config '{key}' = {getattr(self, key)!r}: {why}")
 
+        if self.train_scope is None:  # DP-SGD trains the head only unless told otherwise (docs/decisions.md §6.2)
+            private = self.dp_epsilon is not None and not (math.isinf(self.dp_epsilon) and self.dp_epsilon > 0)
+            self.train_scope = "head" if private and self.method != "dafl" else "all"
         for key, allowed in choices().items():
             if getattr(self, key) not in allowed:
                 raise bad(key, ("unknown method; " if key == "method" else "") + f"choose one of {', '.join(allowed)}")
@@ -332,17 +347,17 @@ class RunConfig:
             raise bad("final_round_frac", "must be in [0, 1]")
         if self.retrain_epochs is not None and self.retrain_epochs < 1:
             raise bad("retrain_epochs", "must be >= 1")
-        for key in ("gff_m", "grad_samples", "retrain_batch", "simclr_every", "simclr_proj_dim"):
+        for key in ("gff_m", "grad_samples", "retrain_batch", "simclr_every", "simclr_proj_dim", "head_basis_dim"):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
         if self.simclr_batch < 2:
             raise bad("simclr_batch", "must be >= 2 (NT-Xent needs negatives)")
         if self.gff_lambda is not None and self.gff_lambda < 0:
             raise bad("gff_lambda", "must be >= 0 (or null for m / mean class count)")
-        for key in ("match_steps", "simclr_steps"):
+        for key in ("match_steps", "simclr_steps", "pretrain_steps"):
             if getattr(self, key) < 0:
                 raise bad(key, "must be >= 0")
-        for key in ("match_lr", "retrain_lr", "simclr_lr", "simclr_tau"):
+        for key in ("match_lr", "retrain_lr", "simclr_lr", "simclr_tau", "pretrain_lr"):
             if not getattr(self, key) > 0:
                 raise bad(key, "must be > 0")
         if not 0 <= self.gs_tau <= 1:
@@ -396,6 +411,12 @@ class RunConfig:
         record counts is checked once the data are loaded: tafl.training.simulator)."""
         if self.dp_epsilon is not None and math.isinf(self.dp_epsilon) and self.dp_epsilon > 0:
             self.dp_epsilon = None  # ε = ∞: no DP
+        if self.train_scope == "head" and self.method == "dafl":
+            raise bad("train_scope", "ViT-DAFL trains its whole network with its own loss; the head-only scope is for "
+                                     "fedavg, fedprox, creff and gtafl")
+        if self.train_scope == "head" and self.simclr_pool == "train":
+            raise bad("simclr_pool", "the head basis is computed on the server's own images: 'train' would give it the "
+                                     "sites' training images; use val")
         if self.secure_aggregation and self.engine != "flower":
             raise bad("secure_aggregation", "runs on Flower's SecAgg+ workflow: use --engine flower (the in-process "
                                             "simulator has no separate parties to hide a client's numbers from)")
@@ -434,7 +455,7 @@ class RunConfig:
                             "DP-SGD's subsampling bound: use --no-gs with --dp-epsilon")
         if self.local_adjust:
             raise bad("local_adjust", "the local logit adjustment reads the site's exact class counts: not with DP")
-        if self.simclr_pool == "train" and self.method == "gtafl" and self.cl:
+        if self.simclr_pool == "train" and ((self.method == "gtafl" and self.cl) or self.pretrain_steps):
             raise bad("simclr_pool", "'train' gives the server the sites' training images: use val with DP")
         if self.centralised:
             raise bad("centralised", "pools every site's images on one machine: there is nothing for DP to protect "

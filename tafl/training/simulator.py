@@ -84,7 +84,9 @@ def prepare(cfg: RunConfig) -> Prepared:
     model_cfg = ModelConfig(backbone=cfg.backbone, num_classes=ds.num_classes, in_chans=ds.preprocess.channels,
                             img_size=ds.preprocess.size, width=cfg.width, patch_size=cfg.patch_size,
                             embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads,
-                            tokenizer=cfg.tokenizer, norm="group" if cfg.dp_epsilon else "batch")
+                            tokenizer=cfg.tokenizer,
+                            # a fixed extractor (train_scope head) keeps no batch statistics to trust, DP-SGD none at all
+                            norm="group" if cfg.dp_epsilon or cfg.train_scope == "head" else "batch")
     return Prepared(ds, train, parts, holdouts, ranks, counts, cc, model_cfg, index_hash(cfg.dataset, train.ids, train.labels))
 
 
@@ -473,8 +475,9 @@ def _check_compatible(ck: dict[str, Any], prep: Prepared) -> None:
 
 
 def server_pool(cfg: RunConfig, ds: Dataset) -> torch.Tensor | None:
-    """The server's unlabeled images for SimCLR: a split's images, never its labels."""
-    if cfg.method != "gtafl" or not cfg.cl:
+    """The server's unlabeled images for SimCLR (GTAFL's, and the extractor's pre-training): a split's images,
+    never its labels."""
+    if not (cfg.method == "gtafl" and cfg.cl) and not cfg.pretrain_steps and cfg.train_scope != "head":
         return None
     split = {"val": ds.val, "test": ds.test, "train": ds.train}[cfg.simclr_pool]
     if cfg.simclr_pool == "test":
@@ -488,7 +491,7 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     selected = select_clients(transport.num_clients, cfg.frac, cfg.seed, r)
     stats = transport.stats(selected)
     round_cfg = method.round_config(state, stats, r)
-    payload = method.broadcast(state)
+    payload = {**method.broadcast(state), **method.head_basis(state)}  # the basis: train_scope head
     results, cost = transport.train(selected, payload, round_cfg)
     _privacy_ledger(method, book, results, cost)
     comm = book["communication"]
@@ -918,6 +921,8 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
     report.update(method.extra_report(state, out, ds.test, ranks))
     if state.meta.get("decision"):  # the operating point the labels above were decided at
         report["decision"] = state.meta["decision"]
+    if state.meta.get("pretraining"):  # the extractor's server-side SimCLR before round 1
+        report["pretraining"] = state.meta["pretraining"]
     from tafl.training.privacy import privacy_section
 
     report["privacy"] = privacy_section(cfg, (ck.get("book") or {}).get("privacy"), cfg.secure_aggregation)

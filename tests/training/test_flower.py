@@ -28,7 +28,8 @@ FLOWER_SMOKE = {"clients": 3, "frac": 1.0, "rounds": 2, "threads": 1}
 
 
 def _cfg(method: str):
-    extra = SMOKE_GTAFL if method == "gtafl" else {"method": method}
+    extra = {"gtafl": SMOKE_GTAFL, "fedavg_head": {"method": "fedavg", "train_scope": "head"}}.get(method,
+                                                                                               {"method": method})
     return load_config(CONFIGS / "smoke.yaml", {**FLOWER_SMOKE, **extra})
 
 
@@ -36,7 +37,7 @@ def _state(path):
     return load_checkpoint(path)["state"]
 
 
-@pytest.mark.parametrize("method", ["fedavg", "gtafl"])
+@pytest.mark.parametrize("method", ["fedavg", "gtafl", "fedavg_head"])  # fedavg_head: the head basis crosses Flower
 def test_flower_simulation_equals_in_process(tmp_path, method, monkeypatch):
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     train(_cfg(method), tmp_path / "inproc", progress=False)

@@ -16,7 +16,7 @@ import numpy as np
 
 from tafl.training.aggregate import check_results, weighted_average
 from tafl.training.local import logit_adjusted_loss
-from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method, Tensors
+from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method, Tensors, split_basis
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,11 @@ class FedAvg(Method):
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
         if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
             return self.calibration_update(payload, data, round_cfg)
+        payload, basis = split_basis(payload)
         self.model.load_state_dict(payload)
         gen = self.generator(round_cfg["round"], data.client_id)
         cfg = self.cfg
-        metrics = self.local_train(data.images[data.indices], data.local_labels, data, round_cfg["round"], gen,
+        metrics = self.local_train(data.images[data.indices], data.local_labels, data, round_cfg["round"], gen, basis,
                                    prox_mu=self.prox_mu, prox_ref=payload if self.prox_mu > 0 else None,
                                    loss_fn=logit_adjusted_loss(data.class_counts(), cfg.local_adjust)
                                    if cfg.local_adjust else None)

@@ -37,7 +37,7 @@ from tafl.training.ensemble import ExpertEnsemble, learn_vote_weights, vote_rule
 from tafl.training.evaluate import evaluate_outputs, predict
 from tafl.training.longtail import DISTRIBUTIONS, distribution_prior, ranks_from_counts
 from tafl.training.methods.base import (SERVER, ClientData, ClientResult, GlobalState, Method, ProbsAndLabel,
-                                        Tensors)
+                                        Tensors, split_basis)
 from tafl.training.models import build_model
 from tafl.training.simclr import ProjectionHead, simclr_refine
 
@@ -80,7 +80,7 @@ class GTAFL(Method):
         return ("probs", "label", "expert_labels", "expert_probs") if self.cr else ("probs", "label")
 
     def attach_server_pool(self, images_u8: torch.Tensor | None) -> None:
-        self.pool = images_u8
+        super().attach_server_pool(images_u8)
         if self.cl and (images_u8 is None or len(images_u8) < 2):
             raise ConfigError("SimCLR (cl) needs an unlabeled server pool of at least 2 images")
 
@@ -120,6 +120,7 @@ class GTAFL(Method):
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
         if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
             return self.calibration_update(payload, data, round_cfg)
+        payload, basis = split_basis(payload)
         self.model.load_state_dict({k: v for k, v in payload.items() if not k.startswith("expert.")})
         gen = self.generator(round_cfg["round"], data.client_id)
         images, labels = data.images[data.indices], data.local_labels
@@ -135,7 +136,7 @@ class GTAFL(Method):
             cw, alpha = gigds_class_weights(data.class_counts(), torch.tensor(round_cfg["global_counts"]),
                                             self.cfg.gs_tau)
             weights, metrics["gigds_alpha"] = cw[labels], alpha
-        metrics.update(self.local_train(images, labels, data, round_cfg["round"], gen, sample_weights=weights))
+        metrics.update(self.local_train(images, labels, data, round_cfg["round"], gen, basis, sample_weights=weights))
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return ClientResult(data.client_id, len(data), state, extras, metrics)
 
