@@ -17,6 +17,7 @@ serialise; no method knows which transport runs it. `GlobalState` is what checkp
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -40,6 +41,15 @@ SERVER = 1 << 20  # the id server-side random streams use in place of a client i
 
 def _as_float(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
+
+
+def weights_key(tensors: Tensors) -> str:
+    """A digest of a set of weights: equal exactly when every tensor is bit for bit the same."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in tensors.items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 BASIS = "head_basis."  # the payload keys of the server's head basis (train_scope head)
@@ -158,8 +168,8 @@ class Method:
         self._dp_counts: dict[int, torch.Tensor] = {}  # each client's one noisy census release, re-sent when asked
         self._noise: torch.Generator | None = None
         self.pool: torch.Tensor | None = None  # the server's unlabeled images (attach_server_pool)
-        self._features: dict[int, tuple[tuple, torch.Tensor]] = {}  # client -> (extractor key, frozen features)
-        self._basis: tuple[tuple, Tensors] | None = None  # (extractor key, head basis): head_basis
+        self._features: dict[int, tuple[tuple[int, str], torch.Tensor]] = {}  # client -> (extractor key, frozen features)
+        self._basis: tuple[str, Tensors] | None = None  # (extractor key, head basis): head_basis
 
     # ---- state ----
     def init_state(self, train_counts: np.ndarray) -> GlobalState:
@@ -252,8 +262,7 @@ class Method:
         computed once per extractor. Empty otherwise."""
         if self.cfg.train_scope != "head":
             return {}
-        keys = {k: v for k, v in state.weights.items() if k.startswith("extractor.")}
-        key = tuple(round(float(v.double().sum()), 6) for v in keys.values())
+        key = weights_key({k: v for k, v in state.weights.items() if k.startswith("extractor.")})
         if self._basis is not None and self._basis[0] == key:
             return self._basis[1]
         self.model.load_state_dict({k: v for k, v in state.weights.items() if k in self.model.state_dict()})
@@ -270,8 +279,7 @@ class Method:
         """The fixed extractor's features of a client's training rows (eval mode, no augmentation), kept while the
         extractor's weights stay the same (GTAFL's SimCLR moves them every few rounds)."""
         ext = self.model.extractor
-        with torch.no_grad():
-            key = (len(images_u8), tuple(round(float(t.double().sum()), 6) for t in ext.state_dict().values()))
+        key = (len(images_u8), weights_key(ext.state_dict()))
         hit = self._features.get(client_id)
         if hit is not None and hit[0] == key:
             return hit[1]
