@@ -20,6 +20,7 @@ def privacy_lines(p: dict[str, Any] | None) -> list[str]:
     out = [f"**ε = {p['epsilon']:.3g}, δ = {p['delta']:.0e}** per {p['unit']} (target ε {p.get('epsilon_target')}).", "",
            "| | |", "|---|---|", f"| mechanism | {p['mechanism']} |", f"| accountant | {p['accountant']} |",
            f"| noise multiplier (DP-SGD) | {z.get('min')}–{z.get('max')}; statistics × {p.get('stats_noise_ratio')} |",
+           f"| DP-SGD trains | {p.get('dp_sgd_trains') or 'the whole network'} |",
            f"| clipping | gradient norm {clip.get('gradient_norm')}, feature norm {clip.get('feature_norm_per_sqrt_dim')}·√D (D the feature dimension) |",
            f"| secure aggregation | {'yes (SecAgg+)' if p.get('secure_aggregation') else 'no'} |"]
     if p.get("not_protected"):

@@ -183,7 +183,7 @@ def privacy_section(cfg, ledger: dict[str, Any] | None, secure_aggregation: bool
     return {"mechanism": MECHANISM, "unit": UNIT, "epsilon": spent, "epsilon_target": float(cfg.dp_epsilon),
             "delta": float(cfg.dp_delta), "accountant": ACCOUNTANT,
             "noise_multiplier": {"min": min(zs), "max": max(zs)} if zs else None,
-            "stats_noise_ratio": float(cfg.dp_stats_ratio), "dp_sgd_trains": SCOPES[cfg.train_scope],
+            "stats_noise_ratio": float(cfg.dp_stats_ratio), "dp_sgd_trains": SCOPES[getattr(cfg, "train_scope", None) or "all"],
             "clipping": {"gradient_norm": float(cfg.dp_clip), "feature_norm_per_sqrt_dim": float(cfg.dp_feature_clip)},
             "secure_aggregation": bool(secure_aggregation), "clients": clients,
             "not_protected": NOT_PROTECTED,

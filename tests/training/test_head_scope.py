@@ -50,6 +50,18 @@ def test_dp_trains_the_head_unless_told_otherwise():
     assert load_config(CONFIGS / "smoke.yaml", {}).train_scope == "all"
 
 
+def test_a_package_trained_before_the_scope_existed_says_the_whole_network():
+    from types import SimpleNamespace
+
+    from tafl.privacy_text import privacy_lines
+    from tafl.training.privacy import privacy_section
+
+    old = SimpleNamespace(dp_epsilon=8.0, dp_delta=1e-5, dp_stats_ratio=3.0, dp_clip=1.0, dp_feature_clip=0.8)
+    p = privacy_section(old, None)
+    assert p["dp_sgd_trains"] == "the whole network"
+    assert "| DP-SGD trains | the whole network |" in privacy_lines({**p, "epsilon": 8.0})
+
+
 @pytest.mark.parametrize("overrides,key,why", [
     ({"train_scope": "head", "method": "dafl", "backbone": "vit_tafl_tiny"}, "train_scope", "ViT-DAFL"),
     ({"train_scope": "head", "simclr_pool": "train"}, "simclr_pool", "sites' training images"),

@@ -190,6 +190,7 @@ def test_a_private_gtafl_run_states_its_guarantee_everywhere(tmp_path):
     assert meta["model_config"]["norm"] == "group" and meta["privacy"]["epsilon"] == p["epsilon"]
     card = (pkg / "README.md").read_text()
     assert "## Privacy" in card and f"ε = {p['epsilon']:.3g}" in card
+    assert "| DP-SGD trains | the classifier head only" in card  # the default scope under DP
     # compare: the private run is its own row, with ε; a run without DP reads ∞
     plain = tmp_path / "plain"
     plain.mkdir()
