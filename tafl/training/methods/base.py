@@ -224,7 +224,9 @@ class Method:
     def local_train(self, images: torch.Tensor, labels: torch.Tensor, data: ClientData, round_: int,
                     gen: torch.Generator, basis: Tensors | None = None, **kw: Any) -> dict[str, float]:
         """The local training every method shares: local SGD, or DP-SGD when the run is private (its noise
-        multiplier from this client's plan). `kw`: sample_weights, prox_mu, prox_ref, loss_fn."""
+        multiplier from this client's plan), on the whole model or, with `train_scope: head`, on a `BasisHead` step
+        in the server's `basis` (from the round's payload: `split_basis`). `kw`: sample_weights, prox_mu, prox_ref,
+        loss_fn."""
         from tafl.training.local import dp_local_sgd, local_sgd
 
         cfg = self.cfg
