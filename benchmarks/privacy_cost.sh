@@ -47,5 +47,5 @@ done
 done
 done
 if (( ${#jobs[@]} )); then printf '%s\n' "${jobs[@]}" | xargs -d '\n' -P "$par" -I{} bash -c '{}'; fi
-python -m tafl.cli compare benchmarks/out/priv_*_s[0-9]*_"$tag" --out benchmarks/results/privacy_cost_"$tag".md > /dev/null
+python -m tafl.cli compare benchmarks/out/priv_*_s[0-9]*_"$tag" --out benchmarks/results/privacy_cost_"$tag".md --plot "" > /dev/null
 echo "table: benchmarks/results/privacy_cost_$tag.md"
