@@ -48,10 +48,13 @@ UNIT = "record (one training image at a site)"
 ACCOUNTANT = ("RDP (dp_accounting.rdp.RdpAccountant, add-or-remove-one-record), composed over the census, every "
               "DP-SGD step of every round and every statistics release of the run")
 NOT_PROTECTED = ["the number of sites and each site's number of training images (DP-SGD's sampling rate reads it, "
-                 "as in Opacus)", "the validation split the coordinator holds for model selection and the operating "
-                 "point", "what the final model's outputs reveal beyond the (ε, δ) bound of its training"]
-SCOPES = {"all": "the whole network", "head": "the classifier head only: the feature extractor is fixed before training "
-            "from data no site holds (its seeded initialisation and any SimCLR on the server's unlabeled images)"}
+                 "as in Opacus)",
+                 "the validation split the coordinator holds for model selection, the operating point and, when the "
+                 "sites train the head only, the extractor's pre-training and the head's basis",
+                 "what the final model's outputs reveal beyond the (ε, δ) bound of its training"]
+SCOPES = {"all": "the whole network",
+          "head": "the classifier head only: the feature extractor is fixed before training from data no site holds "
+                  "(its seeded initialisation and any SimCLR on the server's unlabeled images)"}
 MIN_COUNT_SIGMAS = 2.0  # a class enters a noisy statistics release only when its noisy count is this many σ above 0
 
 
@@ -183,7 +186,8 @@ def privacy_section(cfg, ledger: dict[str, Any] | None, secure_aggregation: bool
     return {"mechanism": MECHANISM, "unit": UNIT, "epsilon": spent, "epsilon_target": float(cfg.dp_epsilon),
             "delta": float(cfg.dp_delta), "accountant": ACCOUNTANT,
             "noise_multiplier": {"min": min(zs), "max": max(zs)} if zs else None,
-            "stats_noise_ratio": float(cfg.dp_stats_ratio), "dp_sgd_trains": SCOPES[getattr(cfg, "train_scope", None) or "all"],
+            "stats_noise_ratio": float(cfg.dp_stats_ratio),
+            "dp_sgd_trains": SCOPES[getattr(cfg, "train_scope", None) or "all"],
             "clipping": {"gradient_norm": float(cfg.dp_clip), "feature_norm_per_sqrt_dim": float(cfg.dp_feature_clip)},
             "secure_aggregation": bool(secure_aggregation), "clients": clients,
             "not_protected": NOT_PROTECTED,

@@ -168,7 +168,8 @@ class Method:
         self._dp_counts: dict[int, torch.Tensor] = {}  # each client's one noisy census release, re-sent when asked
         self._noise: torch.Generator | None = None
         self.pool: torch.Tensor | None = None  # the server's unlabeled images (attach_server_pool)
-        self._features: dict[int, tuple[tuple[int, str], torch.Tensor]] = {}  # client -> (extractor key, frozen features)
+        # client -> ((rows, extractor digest), the fixed extractor's features): frozen_features
+        self._features: dict[int, tuple[tuple[int, str], torch.Tensor]] = {}
         self._basis: tuple[str, Tensors] | None = None  # (extractor key, head basis): head_basis
 
     # ---- state ----
