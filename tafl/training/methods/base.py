@@ -268,7 +268,8 @@ class Method:
         key = weights_key({k: v for k, v in state.weights.items() if k.startswith("extractor.")})
         if self._basis is not None and self._basis[0] == key:
             return self._basis[1]
-        self.model.load_state_dict({k: v for k, v in state.weights.items() if k in self.model.state_dict()})
+        own = self.model.state_dict().keys()
+        self.model.load_state_dict({k: v for k, v in state.weights.items() if k in own})
         feats = self.frozen_features(-1, self.pool).double()
         mean = feats.mean(0)
         _, sing, vt = torch.linalg.svd(feats - mean, full_matrices=False)
