@@ -249,6 +249,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         os.environ["TAFL_TRUSTED_KEYS"] = ns.trusted_keys
     if ns.package_root:
         os.environ["TAFL_PACKAGE_ROOT"] = str(Path(ns.package_root).resolve())
+    if ns.site_mix:  # a JSON file travels as its absolute path: the server's working folder may differ
+        os.environ["TAFL_SITE_MIX"] = str(Path(ns.site_mix).resolve()) if Path(ns.site_mix).is_file() else ns.site_mix
     drain = ns.drain_seconds if ns.drain_seconds is not None else drain_seconds_from_env()
     def announce() -> None:  # after serve's preflight: the packages, the TAFL_* settings and the port are good
         print(f"serving {', '.join(ns.packages)} on http://{ns.host}:{ns.port} (the page for people: "
@@ -379,6 +381,8 @@ def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
 def cmd_score(ns: argparse.Namespace) -> int:
     from tafl.clients.score import print_summary, score_folder
 
+    adaptive = (ns.prior or "").strip().lower() == "adaptive"
+    site_mix = ns.site_mix or ((os.environ.get("TAFL_SITE_MIX") or "").strip() or None if adaptive else None)
     dicomweb_only = [f for f, v in (("--study", ns.study), ("--since", ns.since), ("--modality", ns.modality),
                                     ("--store-sr", ns.store_sr)) if v]
     if ns.dicomweb:
@@ -396,7 +400,7 @@ def cmd_score(ns: argparse.Namespace) -> int:
                                      heatmap=ns.dicom_heatmap, concurrency=ns.concurrency, batch_size=ns.batch_size,
                                      resume=ns.resume, force=ns.force,
                                      progress=False if ns.no_progress else None, prior=ns.prior,
-                                     sr_processes=None)
+                                     sr_processes=None, site_mix=site_mix)
         except PacsUnavailable as exc:
             if Path(ns.out).exists():
                 raise PacsUnavailable(f"{exc.message}. Every row in {ns.out} is complete: run the same command "
@@ -415,7 +419,8 @@ def cmd_score(ns: argparse.Namespace) -> int:
                            concurrency=ns.concurrency, batch_size=ns.batch_size, resume=ns.resume, force=ns.force,
                            progress=False if ns.no_progress else None, prior=ns.prior, engine=ns.engine,
                            address=ns.address, workers=ns.workers, gpus_per_worker=ns.gpus_per_worker,
-                           dicom_out=ns.dicom_out, dicom_heatmap=ns.dicom_heatmap, sr_processes=None)
+                           dicom_out=ns.dicom_out, dicom_heatmap=ns.dicom_heatmap, sr_processes=None,
+                           site_mix=site_mix)
     print_summary(summary)
     return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
 
@@ -586,6 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train (default); adaptive: estimate the folder's class mix from all its images (EM on the "
                          "calibrated posteriors) and re-decide every row for it, no second inference; or "
                          "comma-separated class probabilities")
+    sc.add_argument("--site-mix", metavar="MIX",
+                    help="with --prior adaptive: this site's own class counts, CLASS=COUNT,... or a JSON file, where "
+                         "the model's estimate is centred on the site's mix (default, with --prior adaptive: $TAFL_SITE_MIX)")
     sc.add_argument("--engine", choices=("local", "ray"), default="local",
                     help="local (default): this process; ray: a pool of actors on a Ray cluster (--package only; "
                          "pip install 'tafl[ray]')")
@@ -630,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "comma-separated: only packages signed by one of them load (default $TAFL_TRUSTED_KEYS)")
     sv.add_argument("--package-root", metavar="DIR", help="folders /admin/reload may load lie inside DIR "
                     "(default $TAFL_PACKAGE_ROOT; unset: BentoML tags only)")
+    sv.add_argument("--site-mix", metavar="MIX", help="this site's own class counts, CLASS=COUNT,... or a JSON "
+                    "file: where the model's case-mix estimator is centred on the site's mix, prior=adaptive starts "
+                    "from it (default $TAFL_SITE_MIX; docs/guide.md)")
     sv.add_argument("--drain-seconds", type=float, metavar="S",
                     help="on SIGTERM, SIGINT or SIGHUP: requests in flight get up to S-5 s to finish, and "
                          "whatever of the server still runs after S s is killed; a second signal kills at once "

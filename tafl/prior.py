@@ -273,6 +273,47 @@ def check_prior(q: Any, num_classes: int, name: str = "prior") -> np.ndarray:
     return arr / arr.sum()
 
 
+def parse_site_mix(spec: str, class_names: list[str], name: str = "site mix") -> np.ndarray:
+    """A site's own class mix for the case-mix estimator's `site` centre: `CLASS=COUNT` pairs separated by commas
+    (e.g. `nv=2977,mel=20,bkl=120`; a class left out counts 0), or the path of a JSON object of the same pairs.
+    Counts or shares alike. Returns the counts in `class_names` order; ConfigError naming `name` otherwise."""
+    import json
+    import os
+
+    text = spec.strip()
+    if text.endswith(".json") or os.path.isfile(text):
+        try:
+            with open(text, encoding="utf-8") as fh:
+                pairs = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{name}: cannot read {text} as a JSON object of class counts: {exc}") from None
+        if not isinstance(pairs, dict):
+            raise ConfigError(f"{name}: {text} must hold a JSON object of class counts, e.g. {{\"nv\": 2977}}")
+        items = list(pairs.items())
+    else:
+        items = []
+        for part in filter(None, (t.strip() for t in text.split(","))):
+            if "=" not in part:
+                raise ConfigError(f"{name} must be CLASS=COUNT pairs separated by commas (or a JSON file), got "
+                                  f"{part!r}")
+            k, v = part.split("=", 1)
+            items.append((k.strip(), v.strip()))
+    counts = np.zeros(len(class_names), np.float64)
+    for k, v in items:
+        if k not in class_names:
+            raise ConfigError(f"{name}: no class {k!r} in this model (classes: {', '.join(class_names)})")
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: the count of {k!r} must be a number, got {v!r}") from None
+        if not (math.isfinite(x) and x >= 0):
+            raise ConfigError(f"{name}: the count of {k!r} must be a finite number >= 0, got {v!r}")
+        counts[class_names.index(k)] += x
+    if counts.sum() <= 0:
+        raise ConfigError(f"{name}: at least one class needs a count above 0, got {spec!r}")
+    return counts
+
+
 def log_prior_ratio(target: np.ndarray, source: np.ndarray, floor: float = 1e-6) -> np.ndarray:
     """log q − log π, the logit shift of the adapted rule (a class with q = 0 gets log(floor))."""
     t = np.clip(np.asarray(target, np.float64), floor, None)
@@ -348,15 +389,18 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
 
 
 SMOOTHING_GRID = (0.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0)  # pseudo-images, chosen among on validation
-CENTERS = ("uniform", "source", "train")
+CENTERS = ("uniform", "source", "train", "site")
 
 
 @dataclass
 class PriorEstimator:
     """How a deployment's class mix is estimated from its calibrated posteriors: EM, with `pseudo_count` images'
     worth of a Dirichlet prior of mean `center` added to every M-step. The centre is the uniform mix, the source
-    prior (the mix the posteriors describe), or the training images' class mix (`train`, stored in `center_mix`:
-    it differs from the source prior where the model learned balanced scores, e.g. `local_adjust`).
+    prior (the mix the posteriors describe), the training images' class mix (`train`, stored in `center_mix`:
+    it differs from the source prior where the model learned balanced scores, e.g. `local_adjust`), or the
+    deploying site's own class mix (`site`: the counts of its own labelled images, which it knows and which never
+    leave it; given at deployment with `for_site`, e.g. `tafl serve --site-mix`; without one it is `center_mix`,
+    the federation's training mix).
 
     pseudo_count 0 is the maximum-likelihood estimate of Saerens et al. That estimate runs to the simplex's edge:
     with a few hundred images and posteriors calibrated on a few dozen images of a rare class, EM gives that class
@@ -371,16 +415,29 @@ class PriorEstimator:
     pseudo_count: float = 0.0
     center: str = "uniform"
     record: dict[str, Any] = field(default_factory=dict)
-    center_mix: tuple[float, ...] | None = None  # center "train": the training mix
+    center_mix: tuple[float, ...] | None = None  # center "train" (and "site" without a site mix): the training mix
+    site_mix: tuple[float, ...] | None = None  # center "site": the deploying site's own mix (`for_site`; not stored)
+
+    def for_site(self, mix: Any) -> PriorEstimator:
+        """This estimator at a site that knows its own class mix (counts or shares, one per class). Only a `site`
+        centre uses it; another centre returns itself."""
+        if self.center != "site" or mix is None:
+            return self
+        arr = np.asarray(mix, np.float64)
+        if arr.ndim != 1 or arr.size < 2 or not np.isfinite(arr).all() or (arr < 0).any() or arr.sum() <= 0:
+            raise ConfigError(f"a site mix must be one non-negative count per class, not all zero, got {arr.tolist()}")
+        return PriorEstimator(self.pseudo_count, self.center, self.record, self.center_mix,
+                              tuple(float(v) for v in arr / arr.sum()))
 
     def center_prior(self, source: np.ndarray) -> np.ndarray:
         src = np.asarray(source, np.float64)
         if self.center == "uniform":
             return np.full(len(src), 1.0 / len(src))
-        if self.center == "train":
-            mix = np.asarray(self.center_mix, np.float64)
+        if self.center in ("train", "site"):
+            mix = np.asarray(self.site_mix if self.site_mix is not None else self.center_mix, np.float64)
             if mix.shape != src.shape:
-                raise ValueError(f"the estimator's training mix has {mix.size} classes, the posteriors {src.size}")
+                raise ValueError(f"the estimator's {'site' if self.site_mix is not None else 'training'} mix has "
+                                 f"{mix.size} classes, the posteriors {src.size}")
             return mix
         return src / src.sum()
 
@@ -388,7 +445,9 @@ class PriorEstimator:
         return em_prior(probs, source, pseudo_count=self.pseudo_count, center=self.center_prior(source), **kw)
 
     def to_dict(self) -> dict[str, Any]:
-        mix = {"center_mix": [float(v) for v in self.center_mix]} if self.center == "train" else {}
+        mix = {"center_mix": [float(v) for v in self.center_mix]} if self.center in ("train", "site") else {}
+        if self.site_mix is not None:
+            mix["site_mix"] = [float(v) for v in self.site_mix]
         return {"kind": "em", "pseudo_count": float(self.pseudo_count), "center": self.center, **mix, **self.record}
 
     @classmethod
@@ -406,23 +465,26 @@ class PriorEstimator:
         if center not in CENTERS:
             raise ConfigError(f"prior estimator center must be one of {', '.join(CENTERS)}, got {center!r}")
         mix = None
-        if center == "train":
+        if center in ("train", "site"):
             try:
                 mix = np.asarray(d.get("center_mix"), np.float64)
             except (TypeError, ValueError):
                 mix = np.zeros(0)
             if mix.ndim != 1 or mix.size < 2 or not np.isfinite(mix).all() or (mix < 0).any() or mix.sum() <= 0:
-                raise ConfigError("prior estimator center 'train' needs center_mix: the training class shares, "
+                raise ConfigError(f"prior estimator center '{center}' needs center_mix: the training class shares, "
                                   f"got {d.get('center_mix')!r}")
             mix = tuple(float(v) for v in mix / mix.sum())
-        return cls(a, center, {k: v for k, v in d.items() if k not in ("kind", "pseudo_count", "center", "center_mix")},
-                   mix)
+        est = cls(a, center, {k: v for k, v in d.items()
+                              if k not in ("kind", "pseudo_count", "center", "center_mix", "site_mix")}, mix)
+        return est.for_site(d["site_mix"]) if d.get("site_mix") is not None else est
 
     def describe(self) -> str:
         if not self.pseudo_count:
             return "EM (maximum likelihood)"
         toward = {"uniform": "the uniform mix", "source": "the mix the model's probabilities assume",
-                  "train": "the training images' mix"}[self.center]
+                  "train": "the training images' mix",
+                  "site": "the site's own mix" if self.site_mix is not None else
+                  "the site's own mix (none given: the training images' mix)"}[self.center]
         return f"EM with a Dirichlet prior of {self.pseudo_count:g} images toward {toward}"
 
 

@@ -241,12 +241,12 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                    heatmap: bool = False, concurrency: int = 4, batch_size: int = 16, resume: bool = False,
                    force: bool = False, progress: bool | None = None, on_row: Callable[[Any], None] | None = None,
                    prior: str = "train", retries: int = 5, backoff: float = 0.5,
-                   sr_processes: int | None = 0) -> dict[str, Any]:
+                   sr_processes: int | None = 0, site_mix: str | None = None) -> dict[str, Any]:
     """Score the instances QIDO finds on `dicomweb` into `out` (see the module's text); the folder job's summary,
-    plus `stored_sr` (instances whose SR was filed) and `sr_refused`. `sr_processes` as for
+    plus `stored_sr` (instances whose SR was filed) and `sr_refused`. `sr_processes` and `site_mix` as for
     tafl.clients.score.score_folder (None: min(2, cores) for 16 instances or more, as `tafl score` does)."""
     from tafl.clients.dicom_out import DicomWriter, processes_for
-    from tafl.clients.score import ResultsFile, Row, make_scorer, summarise
+    from tafl.clients.score import ResultsFile, Row, check_site_mix, make_scorer, summarise
 
     out = Path(out)
     if (url is None) == (package is None):
@@ -274,6 +274,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     if not images:
         raise DataError(f"{dicomweb} holds no image instance for this query ({len(others)} non-image instance(s))")
     scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
+    check_site_mix(scorer.meta, site_mix, adaptive)
     experts = [e["name"] for e in scorer.meta.get("experts", [])]
     results = ResultsFile(out, experts, resume=resume, force=force,
                           num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
@@ -407,7 +408,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
         spool.cleanup()
     summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo),
                         predicted_now=state["predicted"], failed=failed, skipped=skipped, explicit=explicit,
-                        adaptive=adaptive)
+                        adaptive=adaptive, site_mix=site_mix)
     summary.update(source=pacs.url, non_image=len(skipped))
     if store_sr:
         summary.update(stored_sr=state["stored"], sr_refused=state["refused"])

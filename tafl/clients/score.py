@@ -292,13 +292,14 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
                  on_row: Callable[[Row], None] | None = None, prior: str = "train", engine: str = "local",
                  address: str | None = None, workers: int | None = None, gpus_per_worker: float = 0.0,
                  dicom_out: str | Path | None = None, dicom_heatmap: bool = False,
-                 sr_processes: int | None = 0) -> dict[str, Any]:
+                 sr_processes: int | None = 0, site_mix: str | None = None) -> dict[str, Any]:
     """`engine`: local (this process) or ray (tafl.clients.ray_engine: a pool of `workers` actors on the Ray cluster
     at `address`, or on a local instance started for the job, each with `gpus_per_worker` GPUs; needs --package).
     `prior`: train (the model's own rule); adaptive (each row keeps its calibrated posteriors; at the end the
     folder's class mix is estimated from all of them and every row is re-decided for it, without a second
     inference: the file gains adaptive_label and adaptive_class_name); or comma-separated class probabilities
-    (the graph decides for that prior).
+    (the graph decides for that prior). `site_mix`: with adaptive, this site's own class counts
+    (tafl.prior.parse_site_mix), the centre of a model whose estimator is centred on the site's mix.
     `sr_processes`: processes that build the --dicom-out SRs while this one scores (None: min(2, cores) for 16
     inputs or more, as `tafl score` does; 0: built here). They are spawned, so a script that passes one must
     start its work under `if __name__ == "__main__":`."""
@@ -336,6 +337,7 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         check_prior_support(scorer.meta, prior, adaptive, explicit)
     else:
         scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
+    check_site_mix(scorer.meta, site_mix, adaptive)
     experts = [e["name"] for e in scorer.meta.get("experts", [])]
     results = ResultsFile(out, experts, resume=resume, force=force,
                           num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
@@ -392,7 +394,8 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         if dicom is not None:
             dicom.close()
     summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo), predicted_now=predicted_now,
-                        failed=failed, skipped=[rel(p) for p in skipped], explicit=explicit, adaptive=adaptive)
+                        failed=failed, skipped=[rel(p) for p in skipped], explicit=explicit, adaptive=adaptive,
+                        site_mix=site_mix)
     if dicom is not None:
         summary.update(dicom_written=dicom.written, dicom_failed=dicom.failed)
     return summary
@@ -421,9 +424,20 @@ def check_prior_support(meta: dict[str, Any], prior: str, adaptive: bool, explic
                           "exported before prior-aware inference; re-export it with this tafl")
 
 
+def check_site_mix(meta: dict[str, Any], site_mix: str | None, adaptive: bool) -> None:
+    """--site-mix goes with --prior adaptive and names only the model's classes: checked before anything is scored."""
+    if not site_mix:
+        return
+    if not adaptive:
+        raise ConfigError("--site-mix centres the case-mix estimate: it goes with --prior adaptive")
+    from tafl.prior import parse_site_mix
+
+    parse_site_mix(site_mix, list(meta["class_names"]), "--site-mix")
+
+
 def summarise(meta: dict[str, Any], counts: dict[str, int], out: Path, *, images: int, todo: int, predicted_now: int,
               failed: list[tuple[str, str]], skipped: list[str], explicit: str | None,
-              adaptive: bool) -> dict[str, Any]:
+              adaptive: bool, site_mix: str | None = None) -> dict[str, Any]:
     """The job's summary: counts, failures, skipped inputs and the predicted class mix beside the training mix
     (re-decided for the estimated mix with --prior adaptive)."""
     names = meta["class_names"]
@@ -438,7 +452,7 @@ def summarise(meta: dict[str, Any], counts: dict[str, int], out: Path, *, images
                "predicted": predicted_now, "predicted_in_file": scored, "failed": failed, "skipped": skipped,
                "class_mix": mix, "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
     if adaptive:
-        summary["prior"] = redecide_adaptive(out, meta)
+        summary["prior"] = redecide_adaptive(out, meta, site_mix)
         for m in mix:
             m["adaptive_predicted"] = summary["prior"]["adaptive_counts"].get(m["class_name"], 0)
     return summary
@@ -461,11 +475,12 @@ def _explicit_ratio(meta: dict[str, Any], prior: str) -> np.ndarray:
     return log_prior_ratio(q, np.asarray(meta["prior"]["source_prior"], np.float64))
 
 
-def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
+def redecide_adaptive(out: Path, meta: dict[str, Any], site_mix: str | None = None) -> dict[str, Any]:
     """Estimate the folder's class mix from every scored row's calibrated posteriors (the package's estimator:
-    EM, smoothed as metadata prior.estimator says) and rewrite the results file, atomically, with each row's
+    EM, smoothed as metadata prior.estimator says, centred on `site_mix` where it is centred on the site's mix)
+    and rewrite the results file, atomically, with each row's
     decision for that mix beside its plain one."""
-    from tafl.prior import PriorEstimator, adapt, adaptive_blocked
+    from tafl.prior import PriorEstimator, adapt, adaptive_blocked, parse_site_mix
 
     names = meta["class_names"]
     C = len(names)
@@ -494,6 +509,8 @@ def redecide_adaptive(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
                                           "decision")
     else:
         estimator = PriorEstimator.from_dict(meta["prior"].get("estimator"))
+        if site_mix:
+            estimator = estimator.for_site(parse_site_mix(site_mix, names, "--site-mix"))
         est = estimator.estimate(P, src)
         q = est.prior
         info.update(used="adaptive", estimate=dict(zip(names, map(float, q))), shift_from_source=est.shift,

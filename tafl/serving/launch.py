@@ -96,12 +96,14 @@ def preflight(packages: list[str], host: str = "127.0.0.1", port: int = 3000) ->
     In this order: the TAFL_* settings the service reads (ConfigError naming the variable: "TAFL_MAX_FRAMES
     must be a whole number, got '64k'"); each package (PackageError: a missing folder, a training run folder
     with the `tafl export` line that makes a package, a tampered or unsigned one as the loader says, two
-    packages with one name), verified against TAFL_TRUSTED_KEYS as the service will; then the port
-    (ConfigError: "port 3000 on 127.0.0.1 is in use (by another service?); choose another with --port", a
-    host that is not an IP address of this machine, a privileged port). Every message is one line."""
+    packages with one name; ConfigError: a TAFL_SITE_MIX naming a class the package lacks), verified against
+    TAFL_TRUSTED_KEYS as the service will; then the port (ConfigError: "port 3000 on 127.0.0.1 is in use (by
+    another service?); choose another with --port", a host that is not an IP address of this machine, a
+    privileged port). Every message is one line."""
+    from tafl.prior import parse_site_mix
     from tafl.serving.settings import check_service_env
 
-    check_service_env()
+    settings = check_service_env()
     loaded, names = [], {}
     for ref in packages:
         pkg = resolve_package(ref)
@@ -109,6 +111,8 @@ def preflight(packages: list[str], host: str = "127.0.0.1", port: int = 3000) ->
             raise PackageError(f"{names[pkg.name]} and {ref} are both named '{pkg.name}'; give them distinct "
                                "names at export (tafl export --name)")
         names[pkg.name] = ref
+        if settings.site_mix and "prior" in pkg.metadata:  # a class this model lacks: one line, nothing started
+            parse_site_mix(settings.site_mix, list(pkg.metadata["class_names"]), f"TAFL_SITE_MIX for {pkg.name}")
         loaded.append(pkg)
     check_port(host, port)
     return loaded

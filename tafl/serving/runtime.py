@@ -411,7 +411,8 @@ class LoadedModel:
 class ModelRegistry:
     def __init__(self, refs: list[str], *, providers: list[str] | None = None, threads: int | None = None,
                  max_batch: int = 64, max_wait_ms: float = 2.0, prior_window: int = 500, prior_refresh: int = 50,
-                 prior_min_images: int = 100, trusted_keys: Any = None, lanes: int | None = None):
+                 prior_min_images: int = 100, trusted_keys: Any = None, lanes: int | None = None,
+                 site_mix: str | None = None):
         from tafl.packaging.signing import load_trusted_keys, trusted_keys_from_env
 
         # read once: every load and reload verifies against the keys the service started with (None:
@@ -421,6 +422,7 @@ class ModelRegistry:
             log.info("packages must be signed by one of %d trusted key(s): %s", len(self.trusted_keys.ids),
                      ", ".join(self.trusted_keys.ids))
         self.prior_window, self.prior_refresh, self.prior_min_images = prior_window, prior_refresh, prior_min_images
+        self.site_mix = site_mix  # TAFL_SITE_MIX: this site's class counts, the centre of a `site` estimator
         if not refs:
             raise PackageError("no model packages configured: set TAFL_PACKAGES to package folders or BentoML tags")
         self.providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -464,7 +466,7 @@ class ModelRegistry:
             return dict(zip(out_names, session.run(out_names, feed)))
 
         from tafl.errors import ConfigError
-        from tafl.prior import PriorEstimator, adaptive_blocked
+        from tafl.prior import PriorEstimator, adaptive_blocked, parse_site_mix
 
         monitor = None
         if takes_prior:
@@ -472,6 +474,9 @@ class ModelRegistry:
                 estimator = PriorEstimator.from_dict(pkg.metadata["prior"].get("estimator"))
             except ConfigError as exc:
                 raise PackageError(f"{pkg.name} {pkg.version}: metadata prior.estimator: {exc}") from None
+            if self.site_mix:  # a class this model lacks is the setting's fault: a ConfigError naming it
+                estimator = estimator.for_site(parse_site_mix(self.site_mix, list(pkg.metadata["class_names"]),
+                                                              f"TAFL_SITE_MIX for {pkg.name}"))
             monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
                                    self.prior_refresh, self.prior_min_images,
                                    blocked=adaptive_blocked(pkg.metadata.get("prior")), estimator=estimator)

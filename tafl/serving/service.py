@@ -71,6 +71,7 @@ class TaflService:
         self.registry = ModelRegistry(settings.packages, threads=settings.ort_threads, max_batch=settings.max_batch,
                                       max_wait_ms=settings.batch_wait_ms, prior_window=settings.prior_window,
                                       prior_refresh=settings.prior_refresh, prior_min_images=settings.prior_min_images,
+                                      site_mix=settings.site_mix,
                                       lanes=settings.model_lanes)
         self.state = ServingState.start(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
         setattr(APP.state, STATE_KEY, self.state)

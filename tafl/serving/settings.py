@@ -32,6 +32,7 @@ class Settings:
     prior_window: int = 500  # calibrated probability vectors kept per model for the case-mix estimate
     prior_refresh: int = 50  # served images between two estimates
     prior_min_images: int = 100  # fewer images behind the estimate: prior=adaptive falls back to the source prior
+    site_mix: str | None = None  # this site's own class counts (tafl.prior.parse_site_mix): the estimator's centre
     max_request_frames: int = 256  # decoded frames in one request, all its files together (/predict/batch)
     max_request_pixels: int = 100_000_000  # decoded pixels in one request, all its files together
     decode_processes: int = field(default_factory=default_processes)  # DICOM decoder processes; 0: threads
@@ -62,6 +63,7 @@ class Settings:
                    prior_window=env_int("TAFL_PRIOR_WINDOW", 500),
                    prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
                    prior_min_images=env_int("TAFL_PRIOR_MIN_IMAGES", 100),
+                   site_mix=env.get("TAFL_SITE_MIX", "").strip() or None,
                    max_request_frames=env_int("TAFL_MAX_REQUEST_FRAMES", 256),
                    max_request_pixels=env_int("TAFL_MAX_REQUEST_PIXELS", 100_000_000),
                    decode_processes=env_int("TAFL_DECODE_PROCESSES", default_processes(), minimum=0))

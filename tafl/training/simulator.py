@@ -393,7 +393,8 @@ def choose_prior_estimator(method: Method, state: GlobalState, ds: Dataset, cfg:
         if ds.site_names is not None and ds.val.sites is not None:  # real sites: their own validation mixes
             counts = state.extras["global_counts"].numpy().astype(np.float64)
             est = select_prior_smoothing_sites(probs, ds.val.labels, ds.val.sites, source,
-                                               train_mix=counts / counts.sum() if counts.sum() > 0 else None)
+                                               train_mix=counts / counts.sum() if counts.sum() > 0 else None,
+                                               site_mixes=site_train_mixes(ds))
             key = f"{est.center}:{est.pseudo_count:g}"
         else:
             est = select_prior_smoothing(probs, ds.val.labels, ranks, source, cfg.adapt_size_list(), cfg.adapt_draws,
@@ -429,36 +430,52 @@ def select_prior_smoothing(probs: np.ndarray, labels: np.ndarray, ranks: np.ndar
         "validation_images": int(len(labels)), "scores": scores})
 
 
+def site_train_mixes(ds: Dataset) -> dict[int, np.ndarray] | None:
+    """Each site's own training class counts (by site index): what a site knows of its case mix from its own
+    labelled images, the `site` centre of the case-mix estimator there. None without sites."""
+    if ds.site_names is None or ds.train.sites is None:
+        return None
+    C = len(ds.class_names)
+    return {k: np.bincount(ds.train.labels[ds.train.sites == k], minlength=C).astype(np.float64)
+            for k in range(len(ds.site_names)) if (ds.train.sites == k).any()}
+
+
 def select_prior_smoothing_sites(probs: np.ndarray, labels: np.ndarray, sites: np.ndarray, source: np.ndarray,
                                  grid: tuple[float, ...] | None = None, min_rows: int = 20,
-                                 train_mix: np.ndarray | None = None):
+                                 train_mix: np.ndarray | None = None,
+                                 site_mixes: dict[int, np.ndarray] | None = None):
     """With real sites (--client-column), the estimator is chosen for what it will meet: each site's validation
     rows at that site's own case mix. For each centre (the training images' mix `train_mix`, where it differs from
-    the source prior; the source prior; the uniform mix) and pseudo-count, the mean over sites of the accuracy on
-    the site's validation rows, adapted to the mix estimated from those same rows (unlabeled). Sites with fewer
-    than `min_rows` validation rows are left out (all, if none has that many). Ties: the first centre in that
-    order, then the smaller pseudo-count. Returns the tafl.prior.PriorEstimator."""
+    the source prior; each site's own training mix, `site_mixes` by site index, where given for every site; the
+    source prior; the uniform mix) and pseudo-count, the mean over sites of the accuracy on the site's validation
+    rows, adapted to the mix estimated from those same rows (unlabeled). Sites with fewer than `min_rows`
+    validation rows are left out (all, if none has that many). Ties: the first centre in that order, then the
+    smaller pseudo-count. Returns the tafl.prior.PriorEstimator (a `site` centre keeps the federation's training
+    mix, or the source prior, as its fallback where a deployment gives no site mix)."""
     from tafl.prior import SMOOTHING_GRID, PriorEstimator, adapt
 
     grid = SMOOTHING_GRID if grid is None else grid
     present = [k for k in np.unique(sites) if (sites == k).sum() >= min_rows] or list(np.unique(sites))
     src = np.asarray(source, np.float64) / np.sum(source)
     mix = None if train_mix is None else tuple(float(v) for v in np.asarray(train_mix, np.float64) / np.sum(train_mix))
-    centers = (["train"] if mix is not None and np.abs(np.array(mix) - src).max() > 1e-6 else []) + ["source", "uniform"]
+    centers = (["train"] if mix is not None and np.abs(np.array(mix) - src).max() > 1e-6 else [])
+    centers += ["site"] if site_mixes and all(k in site_mixes and site_mixes[k].sum() > 0 for k in present) else []
+    centers += ["source", "uniform"]
+    fallback = mix if mix is not None else tuple(float(v) for v in src)
     scores = {}
     for center in centers:
         for a in grid:
-            est = PriorEstimator(float(a), center, center_mix=mix if center == "train" else None)
+            est = PriorEstimator(float(a), center, center_mix=fallback if center in ("train", "site") else None)
             acc = []
             for k in present:
                 idx = np.flatnonzero(sites == k)
-                q = est.estimate(probs[idx], source).prior
+                q = est.for_site(site_mixes[k] if center == "site" else None).estimate(probs[idx], source).prior
                 acc.append(float((adapt(probs[idx], source, q).argmax(1) == labels[idx]).mean()))
             scores[f"{center}:{a:g}"] = float(np.mean(acc))
     keys = list(scores)
     best = keys[int(np.argmax(np.round(np.array(list(scores.values())), 12)))]  # first maximum
     center, a = best.split(":")
-    return PriorEstimator(float(a), center, center_mix=mix if center == "train" else None, record={
+    return PriorEstimator(float(a), center, center_mix=fallback if center in ("train", "site") else None, record={
         "chosen": "validation", "criterion": "the mean over sites of the accuracy on each site's validation rows, "
         "adapted to the mix estimated from those rows", "validation_images": int(len(labels)),
         "sites": int(len(present)), "scores": scores})
@@ -792,6 +809,7 @@ def site_evaluation(method: Method, state: GlobalState, test_out: dict[str, np.n
     def scores(preds: np.ndarray, truth: np.ndarray) -> dict[str, float]:
         return {"accuracy": float((preds == truth).mean()), "balanced_accuracy": balanced_accuracy(preds, truth, C)}
 
+    own_mix = site_train_mixes(ds) or {}
     sites: dict[str, Any] = {}
     for k, name in enumerate(ds.site_names):
         idx = np.flatnonzero(ds.test.sites == k)
@@ -799,7 +817,7 @@ def site_evaluation(method: Method, state: GlobalState, test_out: dict[str, np.n
             continue
         truth, p = labels[idx], probs[idx]
         counts = np.bincount(truth, minlength=C)
-        est = estimator.estimate(p, source)
+        est = estimator.for_site(own_mix.get(k)).estimate(p, source)
         sites[name] = {"n_test": int(len(idx)), "test_class_counts": [int(c) for c in counts],
                        "own": scores(plain[idx], truth),
                        "adapted": scores(adapt(p, source, est.prior).argmax(1), truth),

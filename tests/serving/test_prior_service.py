@@ -190,3 +190,75 @@ def test_a_package_with_a_malformed_estimator_record_is_refused_at_load(gtafl_pk
     write_checksums(pkg, [line.split()[1] for line in (pkg / SUMS).read_text().splitlines() if line.strip()])
     with pytest.raises(PackageError, match="metadata prior.estimator: .*pseudo"):
         ModelRegistry([str(pkg)])
+
+
+def _site_centred(gtafl_pkg, dest):
+    """The smoke package with its estimator centred on the site's own mix (50 pseudo-images; the training mix as the
+    fallback), checksums rewritten so only the record differs."""
+    import json
+    import shutil
+
+    from tafl.packaging.package import SUMS, write_checksums
+
+    shutil.copytree(gtafl_pkg, dest)
+    meta = json.loads((dest / "metadata.json").read_text())
+    meta["prior"]["estimator"] = {"kind": "em", "pseudo_count": 50.0, "center": "site",
+                                  "center_mix": meta["prior"]["source_prior"]}
+    (dest / "metadata.json").write_text(json.dumps(meta))
+    write_checksums(dest, [line.split()[1] for line in (dest / SUMS).read_text().splitlines() if line.strip()])
+    return load_package(dest)
+
+
+def test_a_site_gives_its_own_class_mix_as_the_centre_of_the_case_mix_estimate(gtafl_pkg, tmp_path, monkeypatch):
+    """An estimator centred on the site's own mix (chosen on validation where sites are real, issue 33): the service
+    (TAFL_SITE_MIX, `tafl serve --site-mix`) and `tafl score --site-mix` shrink their estimate toward the counts the
+    site gives, not toward the training mix; a class the model lacks is refused before anything starts."""
+    from tafl.clients.score import score_folder
+    from tafl.errors import ConfigError
+    from tafl.prior import PriorEstimator
+    from tafl.serving.launch import ServerProcess, preflight
+
+    pkg = _site_centred(gtafl_pkg, tmp_path / "pkg")
+    names = pkg.class_names
+    spec = ",".join(f"{n}={90 if n == names[7] else 1}" for n in names)  # a site where class 7 is most images
+    want_mix = np.array([90.0 if n == names[7] else 1.0 for n in names])
+    want_mix /= want_mix.sum()
+
+    monkeypatch.setenv("TAFL_SITE_MIX", "zebra=3")
+    with pytest.raises(ConfigError, match="TAFL_SITE_MIX for derm-gtafl: no class 'zebra'"):
+        preflight([str(tmp_path / "pkg")], port=0)
+    monkeypatch.delenv("TAFL_SITE_MIX")
+
+    env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_PRIOR_WINDOW": "64", "TAFL_PRIOR_REFRESH": "4",
+           "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES), "TAFL_SITE_MIX": spec}
+    with ServerProcess([str(tmp_path / "pkg")], env=env, log_path=tmp_path / "service.log") as srv:
+        for i in range(2 * MIN_IMAGES):
+            assert post(srv, i % 10).status_code == 200
+        deadline = time.time() + 10
+        while (mix := httpx.get(f"{srv.url}/models", timeout=30).json()["models"][0]["case_mix"])["estimate"] is None \
+                and time.time() < deadline:
+            time.sleep(0.2)
+    assert mix["estimator"]["center"] == "site" and np.allclose(mix["estimator"]["site_mix"], want_mix)
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"{i:03d}.png").write_bytes(digit_png(i % 10))
+    with pytest.raises(ConfigError, match="goes with --prior adaptive"):
+        score_folder(folder, tmp_path / "x.csv", package=str(tmp_path / "pkg"), progress=False, site_mix=spec)
+    with pytest.raises(ConfigError, match="--site-mix: no class 'zebra'"):
+        score_folder(folder, tmp_path / "x.csv", package=str(tmp_path / "pkg"), progress=False, prior="adaptive",
+                     site_mix="zebra=1")
+    assert not (tmp_path / "x.csv").exists()  # refused before anything was scored
+    plain = score_folder(folder, tmp_path / "p.csv", package=str(tmp_path / "pkg"), progress=False, prior="adaptive")
+    site = score_folder(folder, tmp_path / "s.csv", package=str(tmp_path / "pkg"), progress=False, prior="adaptive",
+                        site_mix=spec)
+    C = len(names)
+    rows = [r.split(",") for r in (tmp_path / "s.csv").read_text().splitlines()]
+    cols = [rows[0].index(f"p{c}") for c in range(C)]
+    P = np.array([[float(r[c]) for c in cols] for r in rows[1:]])
+    src = np.asarray(pkg.metadata["prior"]["source_prior"])
+    q = PriorEstimator.from_dict(pkg.metadata["prior"]["estimator"]).for_site(want_mix).estimate(P, src).prior
+    assert np.allclose([site["prior"]["estimate"][n] for n in names], q)
+    # 50 pseudo-images of a mix that is 90 % class 7 pull the estimate of 40 balanced images toward class 7
+    assert site["prior"]["estimate"][names[7]] > plain["prior"]["estimate"][names[7]] + 0.2

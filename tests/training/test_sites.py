@@ -236,6 +236,64 @@ def test_with_sites_the_estimator_is_chosen_on_each_sites_own_validation_mix():
         PriorEstimator.from_dict({"pseudo_count": 10, "center": "train"})
 
 
+def test_each_sites_own_training_mix_is_a_centre_where_it_adapts_best_on_validation():
+    """Two sites whose mixes are opposite (class 0 common at one, class 2 at the other) and a weak model: the
+    federation's training mix sits between them, each site's own mix is where its images are. The chooser offers
+    the `site` centre, which wins; the estimator keeps the federation's mix as the fallback of a deployment that
+    gives no site mix, and a site's mix (counts or shares) moves the centre there."""
+    from tafl.prior import PriorEstimator
+    from tafl.training.simulator import select_prior_smoothing_sites
+
+    rng = np.random.default_rng(1)
+    mixes = {0: np.array([0.8, 0.15, 0.05]), 1: np.array([0.05, 0.15, 0.8])}
+    labels = np.concatenate([rng.choice(3, size=200, p=mixes[k]) for k in (0, 1)])
+    sites = np.repeat([0, 1], 200)
+    source = np.full(3, 1 / 3)  # the pooled mix
+    logits = rng.normal(0, 1, (400, 3)) + 0.5 * np.eye(3)[labels]  # barely informative, under the pooled mix
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    counts = {k: m * 1000 for k, m in mixes.items()}  # what each site knows: its own labelled images' counts
+    est = select_prior_smoothing_sites(probs, labels, sites, source, site_mixes=counts)
+    assert est.center == "site" and est.pseudo_count > 0 and est.center_mix == pytest.approx(tuple(source))
+    s = est.record["scores"]
+    assert s[f"site:{est.pseudo_count:g}"] > max(v for k, v in s.items() if not k.startswith("site:")) + 0.05
+    # without the sites' mixes on offer the chooser is what it was
+    assert select_prior_smoothing_sites(probs, labels, sites, source).center in ("source", "uniform")
+
+    back = PriorEstimator.from_dict(est.to_dict())
+    assert back.center == "site" and back.site_mix is None
+    assert "(none given: the training images' mix)" in back.describe()
+    at0 = back.for_site(counts[0])
+    assert at0.site_mix == pytest.approx(tuple(mixes[0])) and "toward the site's own mix" in at0.describe()
+    assert at0.center_prior(source) == pytest.approx(mixes[0])
+    assert back.center_prior(source) == pytest.approx(source)  # no site mix: the federation's mix
+    assert PriorEstimator.from_dict(at0.to_dict()).site_mix == pytest.approx(tuple(mixes[0]))
+    few = probs[sites == 0][:5]
+    assert at0.estimate(few, source).prior.argmax() == 0
+    assert back.for_site(counts[1]).estimate(few, source).prior.argmax() == 2
+    assert PriorEstimator(10.0, "uniform").for_site(counts[0]).site_mix is None  # other centres ignore a site mix
+    with pytest.raises(ConfigError, match="one non-negative count per class"):
+        back.for_site([0, 0, 0])
+
+
+def test_a_site_mix_is_read_from_class_counts_or_a_json_file(tmp_path):
+    import json
+
+    from tafl.prior import parse_site_mix
+
+    names = ["akiec", "mel", "nv"]
+    assert parse_site_mix("nv=2977, mel=20", names).tolist() == [0, 20, 2977]
+    (tmp_path / "mix.json").write_text(json.dumps({"nv": 0.9, "akiec": 0.1}))
+    assert parse_site_mix(str(tmp_path / "mix.json"), names).tolist() == [0.1, 0, 0.9]
+    for bad, why in [("nv:12", "CLASS=COUNT pairs"), ("df=3", "no class 'df'"), ("nv=many", "must be a number"),
+                     ("nv=-1", "finite number >= 0"), ("nv=0", "at least one class"),
+                     (str(tmp_path / "none.json"), "cannot read"), ("nv=inf", "finite number")]:
+        with pytest.raises(ConfigError, match=why):
+            parse_site_mix(bad, names, "--site-mix")
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    with pytest.raises(ConfigError, match="JSON object of class counts"):
+        parse_site_mix(str(tmp_path / "list.json"), names)
+
+
 def test_the_recommended_config_file_is_the_configuration_its_table_row_ran():
     """configs/sites_ham10000.yaml is the row the docs recommend (benchmarks/sites_summary.py --recommend writes
     that row's run config): `tafl train --config` with it and a seed trains what the table measured."""
