@@ -40,6 +40,6 @@ for r in $rows; do
     --name "$name" --seed "$s" 2>&1 | grep -v -e "UserWarning: The least populated" -e "warnings.warn(" || true
 done
 done
-$py -m tafl.cli compare benchmarks/out/sites_*_s[0-9]* --out benchmarks/results/sites_ham10000.md > /dev/null
+$py -m tafl.cli compare benchmarks/out/sites_*_s[0-9]* --out benchmarks/results/sites_ham10000.md --plot "" > /dev/null
 $py benchmarks/sites_summary.py --recommend gtafl_cal > /dev/null
 echo "tables: benchmarks/results/sites_ham10000.md (tafl compare), benchmarks/results/sites_summary.md"

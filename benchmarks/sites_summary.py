@@ -7,7 +7,7 @@ pooled validation rows and the per-site adapted accuracy the estimator was chose
 pooled balanced accuracy at the model's own rule (FLamby's number), and the mean over sites of each site's
 own-mix accuracy at the model's own rule, adapted to the mix estimated from the site's unlabeled test images,
 and at the site's true mix; then the paired per-seed differences against the baseline row, and each site's own
-and adapted accuracy. Writes benchmarks/results/sites_summary.{json,md}.
+and adapted accuracy. Writes benchmarks/results/sites_summary.{json,md} (--name: another name).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def _est(r: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--baseline", default="fedavg_la")
+    p.add_argument("--name", default="sites_summary", help="writes benchmarks/results/NAME.{json,md}")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--recommend", help="the row configs/sites_ham10000.yaml stands for: its runs' config is written "
                                        "to benchmarks/results/sites_recommended.json (tests check the file against it)")
@@ -48,7 +49,7 @@ def main() -> None:
         m = re.match(r"sites_(.+)_s(\d+)$", f.parent.name)
         if m:
             rows.setdefault(m.group(1), {})[int(m.group(2))] = json.loads(f.read_text())
-    est = {"source": "source prior", "uniform": "uniform mix", "train": "training mix"}
+    est = {"source": "source prior", "uniform": "uniform mix", "train": "training mix", "site": "site mix"}
     metrics = {
         "val_balanced": lambda r: r["validation"]["balanced_accuracy"],
         "val_site_adapted": lambda r: max(_est(r).get("scores", {}).values(), default=None),
@@ -121,8 +122,8 @@ def main() -> None:
             raise SystemExit(f"the {args.recommend} runs differ in more than {VARYING}")
         (res / "sites_recommended.json").write_text(json.dumps({"row": args.recommend, "seeds": sorted(runs),
                                                                  "config": cfgs[0]}, indent=2, sort_keys=True))
-    (res / "sites_summary.json").write_text(json.dumps(table, indent=2))
-    (res / "sites_summary.md").write_text("\n".join(lines) + "\n")
+    (res / f"{args.name}.json").write_text(json.dumps(table, indent=2))
+    (res / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
