@@ -593,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "comma-separated class probabilities")
     sc.add_argument("--site-mix", metavar="MIX",
                     help="with --prior adaptive: this site's own class counts, CLASS=COUNT,... or a JSON file, where "
-                         "the model's estimate is centred on the site's mix (default, with --prior adaptive: $TAFL_SITE_MIX)")
+                         "the model's estimate is centred on the site's mix (default, with --prior adaptive: "
+                         "$TAFL_SITE_MIX)")
     sc.add_argument("--engine", choices=("local", "ray"), default="local",
                     help="local (default): this process; ray: a pool of actors on a Ray cluster (--package only; "
                          "pip install 'tafl[ray]')")

@@ -416,7 +416,7 @@ class PriorEstimator:
     center: str = "uniform"
     record: dict[str, Any] = field(default_factory=dict)
     center_mix: tuple[float, ...] | None = None  # center "train" (and "site" without a site mix): the training mix
-    site_mix: tuple[float, ...] | None = None  # center "site": the deploying site's own mix (`for_site`; not stored)
+    site_mix: tuple[float, ...] | None = None  # center "site": the deploying site's own mix (`for_site`, at deployment)
 
     def for_site(self, mix: Any) -> PriorEstimator:
         """This estimator at a site that knows its own class mix (counts or shares, one per class). Only a `site`

@@ -477,6 +477,9 @@ class ModelRegistry:
             if self.site_mix:  # a class this model lacks is the setting's fault: a ConfigError naming it
                 estimator = estimator.for_site(parse_site_mix(self.site_mix, list(pkg.metadata["class_names"]),
                                                               f"TAFL_SITE_MIX for {pkg.name}"))
+                if estimator.center != "site":
+                    log.info("%s %s: TAFL_SITE_MIX is not used: its case-mix estimate is centred on %s, not on the "
+                             "site's mix", pkg.name, pkg.version, estimator.center)
             monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
                                    self.prior_refresh, self.prior_min_images,
                                    blocked=adaptive_blocked(pkg.metadata.get("prior")), estimator=estimator)
