@@ -210,8 +210,8 @@ def _update_problem(method, payload: Tensors, res: ClientResult) -> str | None:
     if res.num_samples <= 0:
         return f"reports {res.num_samples} samples"
     if res.weights:
-        why = problem_with({k: payload[k] for k in method.model.state_dict() if k in payload}, res.weights,
-                           "model update")
+        why = problem_with(method.scoped({k: payload[k] for k in method.model.state_dict() if k in payload}),
+                           res.weights, "model update")
         if why is not None:
             return why
         if res.metrics.get("steps") == 0:
@@ -627,7 +627,7 @@ class FlowerTransport(Transport):
             return calibration_layout(str(round_cfg["calibrate"]), self.num_classes, max(self.n_of[k] for k in ids),
                                       self.bounds, round_cfg.get("scale", 1.0), round_cfg.get("bias"))
         buffers = dict(method.model.named_buffers())
-        weights = {k: (tuple(v.shape), k in buffers) for k, v in method.model.state_dict().items()
+        weights = {k: (tuple(v.shape), k in buffers) for k, v in method.scoped(method.model.state_dict()).items()
                    if k in payload and v.is_floating_point()}
         grads = None
         if getattr(method, "cr", False):  # GTAFL and CReFF: expert gradients (and class statistics)

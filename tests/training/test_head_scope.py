@@ -103,6 +103,9 @@ def test_sites_never_move_the_extractor_and_the_head_learns(tmp_path, private):
     assert ext.keys() == init.keys() and all(torch.equal(ext[k], init[k]) for k in init)
     assert float(state["weights"]["head.weight"].abs().sum()) > 0
     assert rep["validation"]["balanced_accuracy"] > (0.2 if private else 0.4), rep["validation"]
+    # a site's update carries the head only: the whole run's uplink is less than one copy of the model
+    model_bytes = sum(t.numel() * t.element_size() for t in state["weights"].values())
+    assert 0 < rep["communication"]["uplink_bytes"] < model_bytes, (rep["communication"], model_bytes)
     if private:
         assert rep["privacy"]["dp_sgd_trains"].startswith("the classifier head only")
 

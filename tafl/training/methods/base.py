@@ -30,6 +30,7 @@ from torch import nn
 
 from tafl.errors import ConfigError
 from tafl.imaging import Preprocess
+from tafl.training.aggregate import weighted_average
 from tafl.training.config import RunConfig
 from tafl.training.models import Classifier, ModelConfig, build_model
 
@@ -333,6 +334,22 @@ class Method:
 
     def broadcast(self, state: GlobalState) -> Tensors:
         return state.weights
+
+    def scoped(self, weights: Tensors) -> Tensors:
+        """The tensors a site's model update carries: all of them, or with `train_scope: head` only the classifier
+        head's (the rest is the server's own, unchanged by the site: sending it would only cost the uplink)."""
+        if self.cfg.train_scope != "head":
+            return weights
+        return {k: v for k, v in weights.items() if k.startswith("head.")}
+
+    def local_update(self) -> Tensors:
+        """The trained model's tensors this site sends (`scoped`), copied off the training device."""
+        return {k: v.detach().cpu().clone() for k, v in self.scoped(self.model.state_dict()).items()}
+
+    def aggregate_update(self, state: GlobalState, good: list[ClientResult]) -> Tensors:
+        """FedAvg's weighted mean of the sites' updates over the tensors they send; the rest stays the server's."""
+        avg = weighted_average([self.scoped(r.weights) for r in good], [r.num_samples for r in good])
+        return {k: avg.get(k, v) for k, v in state.weights.items()}
 
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
         raise NotImplementedError

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tafl.training.aggregate import check_results, weighted_average
+from tafl.training.aggregate import check_results
 from tafl.training.local import logit_adjusted_loss
 from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method, Tensors, split_basis
 
@@ -36,8 +36,7 @@ class FedAvg(Method):
                                    prox_mu=self.prox_mu, prox_ref=payload if self.prox_mu > 0 else None,
                                    loss_fn=logit_adjusted_loss(data.class_counts(), cfg.local_adjust)
                                    if cfg.local_adjust else None)
-        weights = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        return ClientResult(data.client_id, len(data), weights, {}, metrics)
+        return ClientResult(data.client_id, len(data), self.local_update(), {}, metrics)
 
     def default_source_prior(self, state: GlobalState) -> np.ndarray:
         """The mix the softmax describes: the training mix, raised to 1 − local_adjust and renormalised."""
@@ -48,13 +47,12 @@ class FedAvg(Method):
         return shaped / shaped.sum()
 
     def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
-        good = check_results(state.weights, results)
+        good = check_results(self.scoped(state.weights), results)
         meta = dict(state.meta, round=round_, dropped=[r.client_id for r in results if r not in good])
         if not good:
             log.warning("round %d: no usable client update; the global model is unchanged", round_)
             return GlobalState(state.weights, state.extras, meta)
-        weights = weighted_average([r.weights for r in good], [r.num_samples for r in good])
-        return GlobalState(weights, state.extras, meta)
+        return GlobalState(self.aggregate_update(state, good), state.extras, meta)
 
 
 class FedProx(FedAvg):

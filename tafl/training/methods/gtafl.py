@@ -32,7 +32,7 @@ from torch import nn
 
 from tafl.errors import ConfigError
 from tafl.training import gff
-from tafl.training.aggregate import check_results, weighted_average
+from tafl.training.aggregate import check_results
 from tafl.training.ensemble import ExpertEnsemble, learn_vote_weights, vote_rule_accuracies, vote_weights
 from tafl.training.evaluate import evaluate_outputs, predict
 from tafl.training.longtail import DISTRIBUTIONS, distribution_prior, ranks_from_counts
@@ -137,8 +137,7 @@ class GTAFL(Method):
                                             self.cfg.gs_tau)
             weights, metrics["gigds_alpha"] = cw[labels], alpha
         metrics.update(self.local_train(images, labels, data, round_cfg["round"], gen, basis, sample_weights=weights))
-        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        return ClientResult(data.client_id, len(data), state, extras, metrics)
+        return ClientResult(data.client_id, len(data), self.local_update(), extras, metrics)
 
     def gradient_sample(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """Up to `grad_samples` local rows per class (indices into `labels`), drawn with `gen`."""
@@ -253,7 +252,7 @@ class GTAFL(Method):
     def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
-        good = check_results(state.weights, results, extra_check=self._grads_problem)
+        good = check_results(self.scoped(state.weights), results, extra_check=self._grads_problem)
         # a new round makes the experts lag the extractor again: the finishing round is due again
         meta = dict(state.meta, round=round_, dropped=[r.client_id for r in results if r not in good], finished=False)
         extras = dict(state.extras)
@@ -261,7 +260,7 @@ class GTAFL(Method):
             log.warning("round %d: no usable client update; the global model is unchanged", round_)
             meta["round_timing"] = {}
             return GlobalState(state.weights, extras, meta)
-        weights = weighted_average([r.weights for r in good], [r.num_samples for r in good])
+        weights = self.aggregate_update(state, good)
         timing["aggregate_s"] = time.perf_counter() - t0
         if self.cr:
             self._retrain_experts(extras, meta, good, round_, timing)
