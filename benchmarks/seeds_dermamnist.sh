@@ -53,7 +53,7 @@ done
 if (( ${#jobs[@]} )); then printf '%s\n' "${jobs[@]}" | xargs -d '\n' -P "$par" -I{} bash -c '{}'; fi
 if [[ -n $tag ]]; then  # a reduced-width set is compared on its own
   python -m tafl.cli compare benchmarks/out/*"$tag"_s[0-9]*_"$dataset" --out benchmarks/results/seeds_"$dataset$tag".md \
-    > /dev/null
+    --plot "" > /dev/null
   echo "tables: benchmarks/results/seeds_$dataset$tag.md"
 else
   python -m tafl.cli compare benchmarks/out/*_s[0-9]*_"$dataset" --out benchmarks/results/seeds_"$dataset".md \
