@@ -1,4 +1,5 @@
-"""FedAvg and FedProx: local SGD, sample-count-weighted averaging of the whole model state.
+"""FedAvg and FedProx: local SGD, sample-count-weighted averaging of the model state the sites send (all of it; the
+classifier head alone with `train_scope: head`, `Method.scoped`).
 
 FedProx adds μ/2·‖w − w_global‖² to each client's local loss (`mu` in the config). The
 BatchNorm running statistics are averaged with the same weights as the parameters. With `local_adjust` τ
