@@ -12,6 +12,7 @@
 #        (the same with the experts as first built, each its own CE head, and the plain vote))
 #        PAR=2 keeps two runs going side by side (one torch thread each); WIDTH=0.5 trains the ResNet-8 at half
 #        width (about a quarter of the compute: FedAvg about 12 minutes a run instead of 46 here).
+#        PYTHON picks the interpreter (default: python on PATH).
 #        SEEDS="1 2 3" (default) picks the seeds; DATASET=pneumoniamnist (any MedMNIST flag in DATA_ROOT) runs the
 #        same protocol on another dataset (natural long tail, the same config otherwise).
 set -euo pipefail
@@ -22,6 +23,7 @@ rows=${*:-fedavg creff creff_stats gtafl nocl nogs noen}
 seeds=${SEEDS:-1 2 3}
 dataset=${DATASET:-dermamnist}
 par=${PAR:-1}
+py=${PYTHON:-python}  # PYTHON=.venv/bin/python: the interpreter the runs use
 width=${WIDTH:-}  # WIDTH=0.5: the ResNet-8 at that width (runs named ROW_w0.5_sS_DATASET), for a set that fits a session
 tag=${width:+_w$width}
 jobs=()
@@ -46,17 +48,17 @@ for r in $rows; do
   name=${r}${tag}_s${s}_${dataset}
   if [[ -f benchmarks/out/$name/report.json && -z ${FORCE:-} ]]; then echo "$name: done already"; continue; fi
   threads=(); (( par > 1 )) && threads=(--threads 1)
-  jobs+=("python benchmarks/train_bench.py ${args[*]} --data-root $root --name $name --seed $s --dataset $dataset ${threads[*]}")
+  jobs+=("$py benchmarks/train_bench.py ${args[*]} --data-root $root --name $name --seed $s --dataset $dataset ${threads[*]}")
 done
 done
 # a pool of PAR runs: the next starts as soon as one ends
 if (( ${#jobs[@]} )); then printf '%s\n' "${jobs[@]}" | xargs -d '\n' -P "$par" -I{} bash -c '{}'; fi
 if [[ -n $tag ]]; then  # a reduced-width set is compared on its own
-  python -m tafl.cli compare benchmarks/out/*"$tag"_s[0-9]*_"$dataset" --out benchmarks/results/seeds_"$dataset$tag".md \
+  $py -m tafl.cli compare benchmarks/out/*"$tag"_s[0-9]*_"$dataset" --out benchmarks/results/seeds_"$dataset$tag".md \
     --plot "" > /dev/null
   echo "tables: benchmarks/results/seeds_$dataset$tag.md"
 else
-  python -m tafl.cli compare benchmarks/out/*_s[0-9]*_"$dataset" --out benchmarks/results/seeds_"$dataset".md \
+  $py -m tafl.cli compare benchmarks/out/*_s[0-9]*_"$dataset" --out benchmarks/results/seeds_"$dataset".md \
     --plot docs/"$dataset"_seeds.png > /dev/null
   echo "tables: benchmarks/results/seeds_$dataset.md"
 fi
