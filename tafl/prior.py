@@ -273,6 +273,9 @@ def check_prior(q: Any, num_classes: int, name: str = "prior") -> np.ndarray:
     return arr / arr.sum()
 
 
+SITE_MIX_MAX_BYTES = 1 << 20  # a site-mix JSON file is read whole: larger is refused before it is read
+
+
 def parse_site_mix(spec: str, class_names: list[str], name: str = "site mix") -> np.ndarray:
     """A site's own class mix for the case-mix estimator's `site` centre: `CLASS=COUNT` pairs separated by commas
     (e.g. `nv=2977,mel=20,bkl=120`; a class left out counts 0), or the path of a JSON object of the same pairs.
@@ -283,6 +286,9 @@ def parse_site_mix(spec: str, class_names: list[str], name: str = "site mix") ->
     text = spec.strip()
     if text.endswith(".json") or os.path.isfile(text):
         try:
+            if os.path.getsize(text) > SITE_MIX_MAX_BYTES:  # one count per class: a big file is the wrong file
+                raise ConfigError(f"{name}: {text} is larger than {SITE_MIX_MAX_BYTES // 1024} KiB; it should hold "
+                                  "one count per class")
             with open(text, encoding="utf-8") as fh:
                 pairs = json.load(fh)
         except (OSError, ValueError) as exc:

@@ -289,6 +289,9 @@ def test_a_site_mix_is_read_from_class_counts_or_a_json_file(tmp_path):
                      (str(tmp_path / "none.json"), "cannot read"), ("nv=inf", "finite number")]:
         with pytest.raises(ConfigError, match=why):
             parse_site_mix(bad, names, "--site-mix")
+    (tmp_path / "big.json").write_bytes(b" " * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than 1024 KiB"):
+        parse_site_mix(str(tmp_path / "big.json"), names)
     (tmp_path / "list.json").write_text("[1, 2, 3]")
     with pytest.raises(ConfigError, match="JSON object of class counts"):
         parse_site_mix(str(tmp_path / "list.json"), names)
