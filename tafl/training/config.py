@@ -68,7 +68,10 @@ def choices() -> dict[str, tuple[str, ...]]:
 @dataclass
 class RunConfig:
     # --- what to train ---
-    method: str = "fedavg"  # fedavg | fedprox | creff | gtafl | dafl (tafl.training.methods.REGISTRY)
+    # fedavg | fedprox | creff | gtafl | dafl | lda (tafl.training.methods.REGISTRY). lda: the sites train nothing;
+    # each sends its class sums of the fixed extractor's whitened features once, and the server fits a linear
+    # discriminant head (train_scope head; under DP two Gaussian releases in all: docs/decisions.md §6.3)
+    method: str = "fedavg"
     # --- data ---
     dataset: str = "digits"  # digits (embedded) | a MedMNIST flag (dermamnist, ...) | folder
     data_root: str | None = None  # MedMNIST: folder holding <flag>.npz; folder: the image folder's root
@@ -311,7 +314,7 @@ class RunConfig:
 
         if self.train_scope is None:  # DP-SGD trains the head only unless told otherwise (docs/decisions.md §6.2)
             private = self.dp_epsilon is not None and not (math.isinf(self.dp_epsilon) and self.dp_epsilon > 0)
-            self.train_scope = "head" if private and self.method != "dafl" else "all"
+            self.train_scope = "head" if (private and self.method != "dafl") or self.method == "lda" else "all"
         for key, allowed in choices().items():
             if getattr(self, key) not in allowed:
                 raise bad(key, ("unknown method; " if key == "method" else "") + f"choose one of {', '.join(allowed)}")
@@ -414,6 +417,12 @@ class RunConfig:
         if self.train_scope == "head" and self.method == "dafl":
             raise bad("train_scope", "ViT-DAFL trains its whole network with its own loss; the head-only scope is for "
                                      "fedavg, fedprox, creff and gtafl")
+        if self.method == "lda" and self.train_scope != "head":
+            raise bad("train_scope", "lda fits the head from class sums of the fixed extractor's features: it needs "
+                                     "train_scope head (leave it unset)")
+        if self.method == "lda" and self.secure_aggregation and self.frac < 1:
+            raise bad("frac", "lda under SecAgg+ fits from one secure sum, which must hold every site: use --frac 1 "
+                              "(one round is enough: --rounds 1)")
         if self.train_scope == "head" and self.simclr_pool == "train":
             raise bad("simclr_pool", "the head basis is computed on the server's own images: 'train' would give it the "
                                      "sites' training images; use val")

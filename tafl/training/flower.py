@@ -626,6 +626,8 @@ class FlowerTransport(Transport):
         if round_cfg.get("calibrate"):  # a calibration round: the held-out rows' NLL sums
             return calibration_layout(str(round_cfg["calibrate"]), self.num_classes, max(self.n_of[k] for k in ids),
                                       self.bounds, round_cfg.get("scale", 1.0), round_cfg.get("bias"))
+        if not method.trains:  # lda: one release of class sums, no weights
+            return method.secure_layout(payload, max(self.n_of[k] for k in ids))
         buffers = dict(method.model.named_buffers())
         weights = {k: (tuple(v.shape), k in buffers) for k, v in method.scoped(method.model.state_dict()).items()
                    if k in payload and v.is_floating_point()}

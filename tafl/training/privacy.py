@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # torch is imported where noise is drawn: the card and the pa
 
 MECHANISM = ("DP-SGD (Opacus: per-sample clipping, Gaussian noise, Poisson sampling) and the Gaussian mechanism on "
              "every other quantity a client computes from its records")
+MECHANISM_LDA = ("the Gaussian mechanism on each site's class counts (the census) and, once, on its class sums of "
+                 "clipped whitened features (method lda: no DP-SGD)")
 UNIT = "record (one training image at a site)"
 ACCOUNTANT = ("RDP (dp_accounting.rdp.RdpAccountant, add-or-remove-one-record), composed over the census, every "
               "DP-SGD step of every round and every statistics release of the run")
@@ -52,7 +54,8 @@ NOT_PROTECTED = ["the number of sites and each site's number of training images 
                  "the validation split the coordinator holds for model selection, the operating point and, when the "
                  "sites train the head only, the extractor's pre-training and the head's basis",
                  "what the final model's outputs reveal beyond the (ε, δ) bound of its training"]
-SCOPES = {"all": "the whole network",
+SCOPES = {"none": "nothing: the sites train no weights; each releases its class feature sums once (method lda)",
+          "all": "the whole network",
           "head": "the classifier head only: the feature extractor is fixed before training from data no site holds "
                   "(its seeded initialisation and any SimCLR on the server's unlabeled images)"}
 MIN_COUNT_SIGMAS = 2.0  # a class enters a noisy statistics release only when its noisy count is this many σ above 0
@@ -124,12 +127,13 @@ def calibrate(epsilon: float, delta: float, ratio: float, q: float, steps: int, 
                                             delta, dpa.LowerEndpointAndGuess(1e-2, 1.0), tol=1e-3))
 
 
-def plan_client(cfg, n: int, releases_per_round: int, finishing_releases: int = 0) -> ClientPlan:
-    """The plan of a client with n training records under run config `cfg` (dp_epsilon set)."""
+def plan_client(cfg, n: int, releases_per_round: int, finishing_releases: int = 0, dp_sgd: bool = True) -> ClientPlan:
+    """The plan of a client with n training records under run config `cfg` (dp_epsilon set); `dp_sgd` False: the
+    client trains nothing (LDA), so the census and its statistics releases are all the accountant composes."""
     if n < 1:
         raise ValueError("a client needs at least one record")
     q = min(1.0, cfg.batch_size / n)
-    steps = cfg.rounds * cfg.local_epochs * math.ceil(1.0 / q)
+    steps = cfg.rounds * cfg.local_epochs * math.ceil(1.0 / q) if dp_sgd else 0
     releases = cfg.rounds * releases_per_round + finishing_releases
     ratio = float(cfg.dp_stats_ratio)
     z = calibrate(float(cfg.dp_epsilon), float(cfg.dp_delta), ratio, q, steps, releases)
@@ -167,6 +171,18 @@ def clip_rows(x: torch.Tensor, max_norm: float) -> torch.Tensor:
     return x * (max_norm / norms).clamp(max=1.0)
 
 
+def share_epsilon(z_stats: float, divisor: float, delta: float) -> float:
+    """Method lda under secure aggregation: the ε of one site's own share (its census at z_s, its class sums at
+    z_s/divisor), which is what that site's numbers alone would reveal were SecAgg+ broken."""
+    import dp_accounting as dpa
+    from dp_accounting.rdp import RdpAccountant
+
+    _quiet_absl()
+    acc = RdpAccountant()
+    acc.compose(dpa.ComposedDpEvent([dpa.GaussianDpEvent(z_stats), dpa.GaussianDpEvent(z_stats / divisor)]))
+    return float(acc.get_epsilon(delta))
+
+
 def privacy_section(cfg, ledger: dict[str, Any] | None, secure_aggregation: bool = False) -> dict[str, Any]:
     """The report's, metadata's and card's `privacy` object: what was promised and what the accountant says was
     spent, per client (the run's ε is the largest)."""
@@ -181,15 +197,35 @@ def privacy_section(cfg, ledger: dict[str, Any] | None, secure_aggregation: bool
                       "stats_noise_multiplier": round(plan.stats_noise_multiplier, 4),
                       "sample_rate": round(plan.sample_rate, 5), "steps": e["steps"], "releases": e["releases"],
                       "epsilon": round(plan.epsilon(e["steps"], e["releases"]), 4)}
-    zs = [c["noise_multiplier"] for c in clients.values()]
+    lda = getattr(cfg, "method", None) == "lda"
+    # lda takes no DP-SGD step: its releases' multiplier is the one that matters
+    zs = [c["stats_noise_multiplier" if lda else "noise_multiplier"] for c in clients.values()]
     spent = max((c["epsilon"] for c in clients.values()), default=0.0)
-    return {"mechanism": MECHANISM, "unit": UNIT, "epsilon": spent, "epsilon_target": float(cfg.dp_epsilon),
+    return {"mechanism": MECHANISM_LDA if lda else MECHANISM, "unit": UNIT, "epsilon": spent,
+            "epsilon_target": float(cfg.dp_epsilon),
             "delta": float(cfg.dp_delta), "accountant": ACCOUNTANT,
             "noise_multiplier": {"min": min(zs), "max": max(zs)} if zs else None,
             "stats_noise_ratio": float(cfg.dp_stats_ratio),
-            "dp_sgd_trains": SCOPES[getattr(cfg, "train_scope", None) or "all"],
+            "dp_sgd_trains": SCOPES["none" if lda else getattr(cfg, "train_scope", None) or "all"],
             "clipping": {"gradient_norm": float(cfg.dp_clip), "feature_norm_per_sqrt_dim": float(cfg.dp_feature_clip)},
             "secure_aggregation": bool(secure_aggregation), "clients": clients,
             "not_protected": NOT_PROTECTED,
             "statement": f"({spent:.3g}, {float(cfg.dp_delta):.0e})-DP per training image at every site, over the "
-                         "whole run (every round, every release)"}
+                         "whole run (every round, every release)", **_distributed(cfg, clients, secure_aggregation)}
+
+
+def _distributed(cfg, clients: dict[str, Any], secure_aggregation: bool) -> dict[str, Any]:
+    """Method lda with secure aggregation: each site adds 1/√m_t of the class sums' noise (m_t: the fewest sites a
+    completed SecAgg+ sum holds), so the stated ε holds against a coordinator that sees only the secure sums; what
+    one site's share alone is worth is stated beside it."""
+    if not (secure_aggregation and getattr(cfg, "method", None) == "lda" and clients):
+        return {}
+    from tafl.training.secagg import SecAggParams, min_in_sum
+
+    m_t = min_in_sum(cfg.clients, SecAggParams())
+    z_s = min(c["stats_noise_multiplier"] for c in clients.values())
+    share = share_epsilon(z_s, math.sqrt(m_t), float(cfg.dp_delta))
+    return {"noise": "distributed", "sites_in_a_sum_at_least": m_t, "share_epsilon": round(share, 4),
+            "trust": f"the class sums' noise is split over the sites of each SecAgg+ sum, each adding 1/√{m_t} of it: "
+                     f"the ε above holds against a coordinator that sees only the secure sums; one site's own share, "
+                     f"seen alone, is ({share:.3g}, {float(cfg.dp_delta):.0e})-DP"}

@@ -323,6 +323,8 @@ def _failures(ws) -> str:
 #   stat_sum, stat_sumsq     (C, D)        per-class feature sums (≤ grad_samples rows a class)  G·F, G·F²
 #   stat_count               (C,)          per-class row counts                 bound G (grad_samples)
 #   class_counts             (C,)          the census: the client's class counts  bound n_max
+#   lda_sum, lda_count       (C, k), (C,)  method lda: per-class sums of the       n_max·B, n_max + slack (lda_layout)
+#                                          whitened features, class counts
 #   calib_nll, calib_grad,   (1,), (P,),   a calibration round's sums over the   n_max·(2(a·Z+b) + log C), n_max·Z,
 #   calib_hess               (P, P)        client's held-out rows (tafl.prior)   n_max·C·Z²/2 (calibration_layout)
 #   calib_counts, calib_n    (C,), (1,)    their class counts and number        bound n_max
@@ -333,7 +335,8 @@ def _failures(ws) -> str:
 WEIGHT_PREFIX, METRIC_PREFIX = "w:", "m:"
 GRAD_KEYS = ("grad_w", "grad_b", "grad_holders")
 STAT_KEYS = ("stat_sum", "stat_sumsq", "stat_count")
-CLIENT_EXTRAS = ("grad_classes", "grad_w", "grad_b", "stat_sum", "stat_sumsq", "stat_count")  # what a client may send
+LDA_KEYS = ("lda_sum", "lda_count")  # method lda: a site's class sums of whitened features and its class counts
+CLIENT_EXTRAS = ("grad_classes", "grad_w", "grad_b", "stat_sum", "stat_sumsq", "stat_count") + LDA_KEYS
 # metrics the round loop reads (its history's loss and non-finite share, check_results' step count) travel only
 # summed; how the combined result reports them: "mean" over the clients that reported one (the history averages the
 # clients' losses), or "sum". Every other metric a method reports (GI-GDS's α, ...) is withheld: nothing reads it
@@ -408,6 +411,33 @@ def calibration_layout(kind: str, num_classes: int, n_max: int, bounds: SecureBo
             "calib_n": ((1,), n_max)}
 
 
+def lda_layout(num_classes: int, k: int, n_max: int, entry: float, count_slack: float = 0.0
+               ) -> dict[str, tuple[tuple[int, ...], float]]:
+    """Method lda's one release (no weights, no metrics): per class the sum of the site's whitened features, each
+    entry at most `entry` (the clip bound F, plus room for the noise of a DP share), and its class counts (at most
+    n_max, plus `count_slack` for a DP census's noise)."""
+    n_max = max(1, int(n_max))
+    return {"num_samples": ((1,), float(n_max)), "lda_sum": ((int(num_classes), int(k)), n_max * float(entry)),
+            "lda_count": ((int(num_classes),), n_max + float(count_slack))}
+
+
+def min_in_sum(num_clients: int, params: SecAggParams) -> int:
+    """The fewest clients a completed SecAgg+ sum over `num_clients` can hold: Flower's reconstruction threshold
+    (SecAggPlusWorkflow.setup_stage's rule; every stage stops the sum when a client keeps fewer live neighbours)."""
+    m = int(num_clients)
+    shares = params.num_shares
+    if isinstance(shares, float):
+        n_sh = round(shares * m)
+        if n_sh < m and n_sh % 2 == 0:
+            n_sh += 1
+        if n_sh <= 2:
+            n_sh = m
+    else:
+        n_sh = int(shares)
+    thr = params.reconstruction_threshold
+    return max(round(thr * n_sh), 2) if isinstance(thr, float) else int(thr)
+
+
 def census_layout(num_classes: int, n_max: int) -> dict[str, tuple[tuple[int, ...], float]]:
     """The census: each client's class counts (each ≤ its record count ≤ n_max), summed once over every site."""
     return {"class_counts": ((int(num_classes),), float(max(1, int(n_max))))}
@@ -427,6 +457,12 @@ def client_arrays(res, payload: Mapping[str, Any], layout: Layout) -> tuple[dict
 
     def np64(t) -> np.ndarray:
         return np.asarray(t.detach().cpu().double().numpy() if hasattr(t, "detach") else t, dtype=np.float64)
+
+    if "lda_sum" in layout:  # method lda: the class sums and counts, no weights
+        if set(res.extras) != set(LDA_KEYS) or res.weights:
+            raise ValueError("an lda round's result must hold exactly its class sums and counts")
+        plain = {m: float(v) for m, v in res.metrics.items() if m in PLAINTEXT_METRICS and np.isfinite(v)}
+        return {"num_samples": np.array([n]), **{k: np64(res.extras[k]) for k in LDA_KEYS}}, plain
 
     w_keys = {k[len(WEIGHT_PREFIX):] for k in layout if k.startswith(WEIGHT_PREFIX)}
     floating = {k for k, v in res.weights.items() if v.is_floating_point()}
@@ -505,6 +541,9 @@ def combine(sums: Mapping[str, np.ndarray], layout: Layout, payload: Mapping[str
     n_tot = int(np.rint(float(sums["num_samples"][0])))
     if n_tot <= 0:
         raise SecureSumError(f"the secure sum reports {n_tot} samples")
+    if "lda_sum" in layout:  # method lda: the federation's class sums, as one site's
+        return ClientResult(int(client_id), n_tot, {}, {k: torch.from_numpy(np.asarray(sums[k], np.float64)).float()
+                                                         for k in LDA_KEYS}, {})
     weights = {}
     w_keys = [k for k in layout if k.startswith(WEIGHT_PREFIX)]
     if w_keys:

@@ -318,7 +318,8 @@ def _round_loop(method: Method, state: GlobalState, transport: Transport, cfg: R
             for old in sorted(ckpt_dir.glob("round_*.pt"))[:-cfg.keep_checkpoints]:
                 old.unlink(missing_ok=True)
             bar.update(1)
-            loss = "not released (DP)" if h["loss"] is None else f"{h['loss']:.4f}"
+            loss = ("none (the sites train nothing)" if not method.trains else "not released (DP)") \
+                if h["loss"] is None else f"{h['loss']:.4f}"
             bar.set_postfix(loss=loss, val_acc=_pct(h.get("val_acc")), val_bacc=_pct(h.get("val_bacc")))
             log.info("round %d/%d: loss %s, val acc %s, val balanced acc %s, %.1f s", r, cfg.rounds, loss,
                      _pct(h.get("val_acc")), _pct(h.get("val_bacc")), h["seconds"])
@@ -527,7 +528,8 @@ def _one_round(method: Method, state: GlobalState, transport: Transport, r: int,
     finite = [x for x in losses if np.isfinite(x)]
     answered = set(cost.get("answered", [res.client_id for res in results]))  # a secure round: one combined result
     # a DP run's clients keep their loss (it is computed from their images outside the accountant): None
-    mean_loss = float(np.mean(finite)) if finite else (None if method.dp else float("nan"))
+    # and a method whose sites train nothing (lda) has none to report
+    mean_loss = float(np.mean(finite)) if finite else (None if method.dp or not method.trains else float("nan"))
     book["history"].append({"round": r, "clients": selected, "loss": mean_loss,
                             "dropped": sorted(set(state.meta.get("dropped", [])) | (set(selected) - answered)),
                             "seconds": time.perf_counter() - t_round})

@@ -37,7 +37,8 @@ def _state(path):
     return load_checkpoint(path)["state"]
 
 
-@pytest.mark.parametrize("method", ["fedavg", "gtafl", "fedavg_head"])  # fedavg_head: the head basis crosses Flower
+# fedavg_head: the head basis crosses Flower; lda: a site sends class sums and no weights
+@pytest.mark.parametrize("method", ["fedavg", "gtafl", "fedavg_head", "lda"])
 def test_flower_simulation_equals_in_process(tmp_path, method, monkeypatch):
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     train(_cfg(method), tmp_path / "inproc", progress=False)
@@ -52,6 +53,9 @@ def test_flower_simulation_equals_in_process(tmp_path, method, monkeypatch):
     if method == "gtafl":  # the class statistics and the features-only finishing round cross Flower too
         assert float(b["extras"]["stats.count"].sum()) > 0 and "gff.centre" in b["extras"]
         assert rep["finishing_round"]["clients"] == [0, 1, 2] and rep["finishing_round"]["dropped"] == []
+    if method == "lda":  # the head was fitted from the sums the sites sent over Flower
+        heard = sorted({c for h in rep["history"] for c in h["clients"]})
+        assert b["meta"]["lda_sites"] == heard and all(f"lda_sum.{c}" in b["extras"] for c in heard)
 
 
 def test_restarted_server_app_resumes_from_its_checkpoint(tmp_path, monkeypatch):
@@ -232,3 +236,28 @@ def test_secure_aggregation_with_federated_calibration_fits_on_sums_only(tmp_pat
     assert b["fit"]["images"] == a["fit"]["images"] > 0 and b["fit"]["clients"] == [0, 1, 2, 3]
     assert b["fit"]["nll_after"] < b["fit"]["nll_before"]
     assert b["fit"]["nll_after"] == pytest.approx(a["fit"]["nll_after"], abs=0.05)  # round 1 differs by ~1e-7
+
+
+def test_lda_under_secure_aggregation_fits_the_plaintext_head_and_splits_dp_noise_over_the_sum(tmp_path, monkeypatch):
+    """Method lda with `--secure-aggregation`: the server holds only the sum of the four sites' class sums, within
+    the quantisation error of the plaintext sums, and fits the same head. With DP on top, each site adds 1/√m_t of the
+    noise (m_t: the fewest sites a completed sum holds), the report says so, and one site's share alone is worth a
+    larger ε than the run's."""
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    over = {**FLOWER_SMOKE, "method": "lda", "clients": 4, "frac": 1.0, "rounds": 1}
+    train(load_config(CONFIGS / "smoke.yaml", over), tmp_path / "plain", progress=False)
+    run_flower_simulation(load_config(CONFIGS / "smoke.yaml", {**over, "engine": "flower",
+                                                                "secure_aggregation": True}), tmp_path / "secure")
+    a, b = _state(tmp_path / "plain" / "final.pt"), _state(tmp_path / "secure" / "final.pt")
+    assert b["meta"]["lda_sites"] == [-1] and sorted(a["meta"]["lda_sites"]) == [0, 1, 2, 3]
+    plain_sum = sum(a["extras"][f"lda_sum.{k}"].double() for k in range(4))
+    assert torch.allclose(b["extras"]["lda_sum.-1"].double(), plain_sum, atol=1e-3)
+    wa, wb = a["weights"]["head.weight"].double(), b["weights"]["head.weight"].double()
+    assert float((wa - wb).abs().max()) <= 1e-3 * float(wa.abs().max())  # the whitening scales entries up
+    rep = run_flower_simulation(load_config(CONFIGS / "smoke.yaml", {**over, "engine": "flower",
+                                                                      "secure_aggregation": True, "dp_epsilon": 4.0}),
+                                tmp_path / "dp")
+    p = rep["privacy"]
+    assert p["noise"] == "distributed" and p["sites_in_a_sum_at_least"] == 3  # round(0.67 · 4)
+    assert all(c["steps"] == 0 and c["releases"] == 1 for c in p["clients"].values())
+    assert p["epsilon"] <= 4.0 + 1e-3 < p["share_epsilon"]

@@ -23,6 +23,7 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "creff": ("gtafl", "CReFF"),
     "gtafl": ("gtafl", "GTAFL"),
     "dafl": ("dafl", "DAFL"),
+    "lda": ("lda", "LDA"),
 }
 
 

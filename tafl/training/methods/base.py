@@ -154,6 +154,7 @@ class Method:
     """Base: FedAvg-style training of one `Classifier`. Subclasses override the steps they change."""
 
     name = "base"
+    trains = True  # the sites train weights and report their local loss (lda: they only send class sums)
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, preprocess: Preprocess,
                  device: torch.device | str = "cpu"):
