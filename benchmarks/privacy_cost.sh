@@ -7,7 +7,7 @@
 # DP-SGD costs 2-5x that); WIDTH=0.5 quarters the compute.
 # SCOPE=head: the sites train the classifier head only, every row including inf (--train_scope head, the DP default
 # since 2026-12-06: docs/decisions.md §6.2); SCOPE=all: the whole network in every DP row (results.md §18's runs).
-# Usage: benchmarks/privacy_cost.sh [DATA_ROOT] [ROW ...]   ROW: gtafl | fedavg_la ; EPS="inf 8 3 1" SEEDS="1 2 3"
+# Usage: benchmarks/privacy_cost.sh [DATA_ROOT] [ROW ...]   ROW: gtafl | fedavg_la | lda | lda_secure ; EPS="inf 8 3 1" SEEDS="1 2 3"
 #        PAR=2 (two runs side by side, one thread each), WIDTH=0.5, CONFIG=configs/sites_ham10000.yaml (with
 #        DATA_ROOT=../shared/data/ham10000: the four real sites), DEVICE=cuda (on a GPU machine)
 set -euo pipefail
@@ -30,6 +30,10 @@ for r in $rows; do
   case $r in
     fedavg_la) args=(--method fedavg --decision validation --calibration none --calib_holdout 0) ;;
     gtafl)     args=(--method gtafl --decision validation --calibration none --calib_holdout 0) ;;
+    lda)       args=(--method lda --decision validation --calibration none --calib_holdout 0) ;;
+    # lda under SecAgg+ on Flower: every site in one secure sum, the DP noise split over its sites
+    lda_secure) args=(--method lda --decision validation --calibration none --calib_holdout 0 --engine flower
+                      --secure_aggregation true --frac 1 --rounds 1) ;;
     *) echo "unknown row $r" >&2; exit 2 ;;
   esac
   if [[ $e != inf ]]; then

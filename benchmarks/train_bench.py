@@ -47,7 +47,12 @@ def main() -> None:
     name = args.name or f"{cfg.method}_{cfg.dataset}"
     out = Path(args.out or REPO / "benchmarks" / "out" / name)
     t0 = time.perf_counter()
-    report = train(cfg, out, force=True, progress=False)
+    if cfg.engine == "flower":  # --engine flower [--secure_aggregation true]: the run goes through Flower
+        from tafl.training.flower import run_flower_simulation
+
+        report = run_flower_simulation(cfg, out, force=True)
+    else:
+        report = train(cfg, out, force=True, progress=False)
     wall = time.perf_counter() - t0
     rounds = [h["seconds"] for h in report["history"]]
     result = {

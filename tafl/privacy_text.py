@@ -16,13 +16,20 @@ def privacy_lines(p: dict[str, Any] | None) -> list[str]:
         return [f"No differential privacy: every site sent its model updates and statistics exactly, {agg}. "
                 "Train with `--dp-epsilon` for a stated guarantee."]
     z = p.get("noise_multiplier") or {}
+    lda = str(p.get("dp_sgd_trains") or "").startswith("nothing")  # method lda: releases only, no DP-SGD
     clip = p.get("clipping") or {}
     out = [f"**ε = {p['epsilon']:.3g}, δ = {p['delta']:.0e}** per {p['unit']} (target ε {p.get('epsilon_target')}).", "",
            "| | |", "|---|---|", f"| mechanism | {p['mechanism']} |", f"| accountant | {p['accountant']} |",
-           f"| noise multiplier (DP-SGD) | {z.get('min')}–{z.get('max')}; statistics × {p.get('stats_noise_ratio')} |",
+           f"| noise multiplier (DP-SGD) | {z.get('min')}–{z.get('max')}; statistics × {p.get('stats_noise_ratio')} |"
+           if not lda else
+           f"| noise multiplier (the releases) | {z.get('min')}–{z.get('max')} |",
            f"| DP-SGD trains | {p.get('dp_sgd_trains') or 'the whole network'} |",
-           f"| clipping | gradient norm {clip.get('gradient_norm')}, feature norm {clip.get('feature_norm_per_sqrt_dim')}·√D (D the feature dimension) |",
+           f"| clipping | gradient norm {clip.get('gradient_norm')}, feature norm {clip.get('feature_norm_per_sqrt_dim')}·√D (D the feature dimension) |"
+           if not lda else
+           f"| clipping | whitened feature norm {clip.get('feature_norm_per_sqrt_dim')}·√k (k the head basis's dimension) |",
            f"| secure aggregation | {'yes (SecAgg+)' if p.get('secure_aggregation') else 'no'} |"]
+    if p.get("trust"):  # lda under SecAgg+: the noise is split over the sites of each sum
+        out.append(f"| distributed noise | {p['trust']} |")
     if p.get("not_protected"):
         out += ["", "Not protected: " + "; ".join(p["not_protected"]) + "."]
     return out

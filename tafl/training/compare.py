@@ -159,8 +159,8 @@ def _site_table(groups: dict[str, Reports]) -> list[str]:
 
 def _privacy_table(groups: dict[str, Reports]) -> list[str]:
     """ε per configuration: the target and what the accountant says each run spent (∞: no DP)."""
-    lines = ["", "## Privacy", "", "| method | ε target | ε spent (accountant) | δ | DP-SGD noise multiplier | "
-             "secure aggregation |", "|---|---|---|---|---|---|"]
+    lines = ["", "## Privacy", "", "| method | ε target | ε spent (accountant) | δ | noise multiplier (DP-SGD's; lda: its "
+             "releases') | secure aggregation |", "|---|---|---|---|---|---|"]
     for lab, reps in groups.items():
         p0 = reps[0].get("privacy") or {}
         if p0.get("epsilon") is None:

@@ -261,3 +261,7 @@ def test_lda_under_secure_aggregation_fits_the_plaintext_head_and_splits_dp_nois
     assert p["noise"] == "distributed" and p["sites_in_a_sum_at_least"] == 3  # round(0.67 · 4)
     assert all(c["steps"] == 0 and c["releases"] == 1 for c in p["clients"].values())
     assert p["epsilon"] <= 4.0 + 1e-3 < p["share_epsilon"]
+    from tafl.privacy_text import privacy_lines
+
+    card = "\n".join(privacy_lines(p))  # the report's, the card's and the page's privacy section
+    assert "| distributed noise |" in card and "| noise multiplier (the releases) |" in card and "√k" in card
