@@ -422,7 +422,10 @@ class RunConfig:
                                      "train_scope head (leave it unset)")
         if self.method == "lda" and self.secure_aggregation and self.frac < 1:
             raise bad("frac", "lda under SecAgg+ fits from one secure sum, which must hold every site: use --frac 1 "
-                              "(one round is enough: --rounds 1)")
+                              "--rounds 1")
+        if self.method == "lda" and self.secure_aggregation and self.rounds != 1:
+            raise bad("rounds", "lda under SecAgg+ sums each site's one release once: a second sum over a different "
+                                "set of sites would give a site's share away by differencing; use --rounds 1")
         if self.train_scope == "head" and self.simclr_pool == "train":
             raise bad("simclr_pool", "the head basis is computed on the server's own images: 'train' would give it the "
                                      "sites' training images; use val")

@@ -73,6 +73,8 @@ def test_an_unreported_class_is_never_chosen_for_its_mean_and_bad_shapes_are_ref
     ({"method": "lda", "secure_aggregation": True, "engine": "flower", "clients": 4, "frac": 0.75}, "frac",
      "--frac 1"),
     ({"method": "lda", "local_adjust": 1.0}, "local_adjust", "applies to fedavg and fedprox"),
+    ({"method": "lda", "secure_aggregation": True, "engine": "flower", "clients": 4, "frac": 1.0, "rounds": 3},
+     "rounds", "differencing"),
 ])
 def test_settings_lda_cannot_take_are_refused_before_training(overrides, key, why):
     with pytest.raises(ConfigError) as exc:
@@ -111,3 +113,19 @@ def test_a_run_learns_and_under_dp_each_site_releases_once(tmp_path):
     # the multiplier the report states is the releases' (there is no DP-SGD step to state one for)
     assert p["noise_multiplier"]["max"] == max(c["stats_noise_multiplier"] for c in p["clients"].values())
     assert math.isfinite(rep["average_accuracy"])
+
+
+def test_a_run_where_no_site_s_sums_arrive_stops_instead_of_exporting_an_untrained_head():
+    from tafl.errors import TrainingDiverged
+    from tafl.imaging import Preprocess
+    from tafl.training.methods.lda import LDA
+    from tafl.training.models import ModelConfig
+
+    cfg = load_config(CONFIGS / "smoke.yaml", {"method": "lda", "rounds": 2})
+    m = LDA(cfg, ModelConfig("resnet8", 4, 1, 8, 0.25, norm="group"), Preprocess(size=8, channels=1, mean=(0.5,),
+                                                                                 std=(0.25,)))
+    state = m.init_state(np.array([5, 5, 5, 5]))
+    state = m.server_update(state, [], 1)  # round 1 of 2: wait for later rounds
+    assert state.meta["lda_sites"] == []
+    with pytest.raises(TrainingDiverged, match="nothing to fit"):
+        m.server_update(state, [], 2)

@@ -150,6 +150,11 @@ class LDA(Method):
         sites = sorted(int(k[len(SUM):]) for k in extras if k.startswith(SUM))
         meta = dict(state.meta, round=round_, dropped=dropped, lda_sites=sites)
         if not sites:
+            if round_ >= self.cfg.rounds:  # the model would be the untrained head: stop rather than export it
+                from tafl.errors import TrainingDiverged
+
+                raise TrainingDiverged(f"no site's class sums arrived by round {round_}: lda has nothing to fit its "
+                                       "head from (see the log for each site's error); no model was written")
             log.warning("round %d: no usable class sums yet; the head is unchanged", round_)
             return GlobalState(state.weights, extras, meta)
         S = sum(extras[f"{SUM}{k}"].double() for k in sites).numpy()
