@@ -70,7 +70,7 @@ def test_methods_come_from_the_one_registry(monkeypatch):
     with pytest.raises(ConfigError) as e:
         RunConfig.from_dict({"method": "fedsgd"}).validate()
     assert "'method' = 'fedsgd'" in str(e.value) and all(n in str(e.value) for n in methods.method_names())
-    assert set(methods.method_names()) == {"fedavg", "fedprox", "creff", "gtafl", "dafl"}
+    assert set(methods.method_names()) == {"fedavg", "fedprox", "creff", "gtafl", "dafl", "lda"}
     for name in methods.method_names():  # every registered name validates and resolves to its Method
         assert RunConfig.from_dict({"method": name}).validate().method == name
         assert issubclass(methods.method_class(name), methods.Method)
