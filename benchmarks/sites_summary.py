@@ -5,9 +5,10 @@
 Per row (mean ± sd over its seeds): the validation figures a choice may rest on (balanced accuracy of the
 pooled validation rows and the per-site adapted accuracy the estimator was chosen by), then the test figures:
 pooled balanced accuracy at the model's own rule (FLamby's number), and the mean over sites of each site's
-own-mix accuracy at the model's own rule, adapted to the mix estimated from the site's unlabeled test images,
-and at the site's true mix; then the paired per-seed differences against the baseline row, and each site's own
-and adapted accuracy. Writes benchmarks/results/sites_summary.{json,md} (--name: another name).
+own-mix accuracy at the model's own rule, at the site's own training mix (prior=site), adapted to the mix
+estimated from the site's unlabeled test images, and at the site's true mix; then the paired per-seed
+differences against the baseline row, and each site's own and adapted accuracy. Writes
+benchmarks/results/sites_summary.{json,md} (--name: another name).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def main() -> None:
         "pooled_balanced": lambda r: r["pooled_balanced_accuracy"],
         "own": lambda r: r["site_mean"]["own"]["accuracy"],
         "own_balanced": lambda r: r["site_mean"]["own"]["balanced_accuracy"],
+        "site": lambda r: r["site_mean"]["site"]["accuracy"],
+        "site_balanced": lambda r: r["site_mean"]["site"]["balanced_accuracy"],
         "adapted": lambda r: r["site_mean"]["adapted"]["accuracy"],
         "adapted_balanced": lambda r: r["site_mean"]["adapted"]["balanced_accuracy"],
         "oracle": lambda r: r["site_mean"]["oracle"]["accuracy"],
@@ -81,26 +84,31 @@ def main() -> None:
              "configs/sites_ham10000.yaml (ResNet-8 ×0.25, 32 px, 4 sites every round, 1 local epoch, 20 rounds); "
              "`benchmarks/sites_ham10000.sh`. Mean ± sd over the seeds. Validation columns may choose; test "
              "columns only report.", "",
-             "| row | seeds | val bal. acc | val site-adapted acc | **pooled bal. acc** | site mean: own acc | own bal. | "
-             "adapted acc | adapted bal. | oracle acc | training min | τ | estimator |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| row | seeds | val bal. acc | val site-adapted acc | **pooled bal. acc** | site mean: own acc | "
+             "own bal. | site-mix acc | site-mix bal. | adapted acc | adapted bal. | oracle acc | training min | τ | estimator |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in table.items():
         lines.append(f"| {name} | {', '.join(map(str, t['seeds']))} | {ms(t['val_balanced'])} | "
                      f"{ms(t['val_site_adapted'])} | **{ms(t['pooled_balanced'])}** | {ms(t['own'])} | "
-                     f"{ms(t['own_balanced'])} | {ms(t['adapted'])} | {ms(t['adapted_balanced'])} | {ms(t['oracle'])} | "
+                     f"{ms(t['own_balanced'])} | {ms(t['site'])} | {ms(t['site_balanced'])} | {ms(t['adapted'])} | "
+                     f"{ms(t['adapted_balanced'])} | {ms(t['oracle'])} | "
                      f"{ms(t['minutes'])} | {', '.join('—' if x is None else f'{x:g}' for x in t['tau'])} | "
                      f"{'; '.join(t['estimator'])} |")
     base = rows.get(args.baseline)
     if base:
         lines += ["", f"Paired per seed against {args.baseline} (points; a difference inside the spread is none):", "",
-                  "| row | pooled bal. acc | site mean own acc | site mean adapted acc |", "|---|---|---|---|"]
+                  "| row | pooled bal. acc | site mean own acc | site mean site-mix acc | site mean adapted acc |",
+                  "|---|---|---|---|---|"]
         for name, runs in rows.items():
             if name == args.baseline:
                 continue
             common = sorted(set(runs) & set(base))
             cells = []
-            for k in ("pooled_balanced", "own", "adapted"):
-                d = [100 * (metrics[k](runs[s]) - metrics[k](base[s])) for s in common]
+            for k in ("pooled_balanced", "own", "site", "adapted"):
+                try:
+                    d = [100 * (metrics[k](runs[s]) - metrics[k](base[s])) for s in common]
+                except KeyError:  # runs evaluated before the site rule existed
+                    d = []
                 cells.append(", ".join(f"{x:+.1f}" for x in d) or "—")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     sites = sorted({s for runs in rows.values() for r in runs.values() for s in r.get("sites", {})})

@@ -381,8 +381,8 @@ def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
 def cmd_score(ns: argparse.Namespace) -> int:
     from tafl.clients.score import print_summary, score_folder
 
-    adaptive = (ns.prior or "").strip().lower() == "adaptive"
-    site_mix = ns.site_mix or ((os.environ.get("TAFL_SITE_MIX") or "").strip() or None if adaptive else None)
+    takes_mix = (ns.prior or "").strip().lower() in ("adaptive", "site")  # the site's mix: a centre or the prior
+    site_mix = ns.site_mix or ((os.environ.get("TAFL_SITE_MIX") or "").strip() or None if takes_mix else None)
     dicomweb_only = [f for f, v in (("--study", ns.study), ("--since", ns.since), ("--modality", ns.modality),
                                     ("--store-sr", ns.store_sr)) if v]
     if ns.dicomweb:
@@ -568,8 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--heatmap", metavar="OUT_DIR", help="also save each heatmap overlay PNG into OUT_DIR")
     pr.add_argument("--json", action="store_true", help="JSON instead of a table")
     pr.add_argument("--token", help="bearer token (default $TAFL_API_TOKEN)")
-    pr.add_argument("--prior", help="train (default), adaptive (the service's estimate of its served case mix), or "
-                                    "comma-separated class probabilities")
+    pr.add_argument("--prior", help="train (default), site (the site's own class mix the service was started with: "
+                                    "tafl serve --site-mix), adaptive (the service's estimate of its served case "
+                                    "mix), or comma-separated class probabilities")
     pr.set_defaults(func=cmd_predict)
 
     sc = sub.add_parser("score", help="score every image in a folder, or in a PACS over DICOMweb, into a CSV or "
@@ -588,13 +589,14 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--force", action="store_true", help="replace an existing results file")
     sc.add_argument("--no-progress", action="store_true", help="no progress bar")
     sc.add_argument("--prior", default="train",
-                    help="train (default); adaptive: estimate the folder's class mix from all its images (EM on the "
-                         "calibrated posteriors) and re-decide every row for it, no second inference; or "
-                         "comma-separated class probabilities")
+                    help="train (default); site: decide every image for this site's own class mix (--site-mix); "
+                         "adaptive: estimate the folder's class mix from all its images (EM on the calibrated "
+                         "posteriors) and re-decide every row for it, no second inference; or comma-separated class "
+                         "probabilities")
     sc.add_argument("--site-mix", metavar="MIX",
-                    help="with --prior adaptive: this site's own class counts, CLASS=COUNT,... or a JSON file, where "
-                         "the model's estimate is centred on the site's mix (default, with --prior adaptive: "
-                         "$TAFL_SITE_MIX)")
+                    help="this site's own class counts, CLASS=COUNT,... or a JSON file: the prior of --prior site, "
+                         "or the centre of --prior adaptive's estimate where the model's estimate is centred on the "
+                         "site's mix (default, with either: $TAFL_SITE_MIX)")
     sc.add_argument("--engine", choices=("local", "ray"), default="local",
                     help="local (default): this process; ray: a pool of actors on a Ray cluster (--package only; "
                          "pip install 'tafl[ray]')")
@@ -640,8 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--package-root", metavar="DIR", help="folders /admin/reload may load lie inside DIR "
                     "(default $TAFL_PACKAGE_ROOT; unset: BentoML tags only)")
     sv.add_argument("--site-mix", metavar="MIX", help="this site's own class counts, CLASS=COUNT,... or a JSON "
-                    "file: where the model's case-mix estimator is centred on the site's mix, prior=adaptive starts "
-                    "from it (default $TAFL_SITE_MIX; docs/guide.md)")
+                    "file: prior=site decides for this mix, and where the model's case-mix estimator is centred on "
+                    "the site's mix, prior=adaptive starts from it (default $TAFL_SITE_MIX; docs/guide.md)")
     sv.add_argument("--drain-seconds", type=float, metavar="S",
                     help="on SIGTERM, SIGINT or SIGHUP: requests in flight get up to S-5 s to finish, and "
                          "whatever of the server still runs after S s is killed; a second signal kills at once "

@@ -320,6 +320,22 @@ def parse_site_mix(spec: str, class_names: list[str], name: str = "site mix") ->
     return counts
 
 
+SITE_RULE_UNIFORM = 0.01  # the site rule's share of the uniform mix: a class the site never saw is not ruled out
+
+
+def site_prior(mix: Any, uniform: float = SITE_RULE_UNIFORM) -> np.ndarray:
+    """The `site` rule's prior: a site's own class mix (counts or shares, e.g. from `parse_site_mix`), normalised
+    and mixed with `uniform` of the uniform mix. A site that knows its case mix from its own labelled images
+    decides every image for it at once, with no images to wait for (docs/decisions.md §5.7). The uniform share
+    keeps a class the site has not seen (vidir_molemax has no akiec) possible, at about 1/(100·C)."""
+    arr = np.asarray(mix, np.float64)
+    if arr.ndim != 1 or arr.size < 2 or not np.isfinite(arr).all() or (arr < 0).any() or arr.sum() <= 0:
+        raise ConfigError(f"a site mix must be one non-negative count per class, not all zero, got {arr.tolist()}")
+    if not 0.0 <= uniform <= 1.0:
+        raise ConfigError(f"the site rule's uniform share must be in [0, 1], got {uniform}")
+    return (1.0 - uniform) * arr / arr.sum() + uniform / arr.size
+
+
 def log_prior_ratio(target: np.ndarray, source: np.ndarray, floor: float = 1e-6) -> np.ndarray:
     """log q − log π, the logit shift of the adapted rule (a class with q = 0 gets log(floor))."""
     t = np.clip(np.asarray(target, np.float64), floor, None)

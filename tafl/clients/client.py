@@ -208,15 +208,16 @@ class Client(_Base):
 
     def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
                 prior: str | None = None, posteriors: bool = False) -> Prediction:
-        """`prior`: train (default), adaptive (the service's estimate of its served case mix) or comma-separated
-        class probabilities; the answer's `prior` says which one decided."""
+        """`prior`: train (default), site (the service's own site mix, from its --site-mix), adaptive (the service's
+        estimate of its served case mix) or comma-separated class probabilities; the answer's `prior` says which
+        one decided."""
         files, data = self._form(image, model, heatmap, prior, posteriors)
         return Prediction.from_json(self._call("POST", "/predict", files=files, data=data).json())
 
     def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None, prior: str | None = None,
                       posteriors: bool = False) -> list[Prediction | ServiceCallError]:
         """One request for several images; each comes back as a Prediction or the error for that image.
-        `prior`: train (default), adaptive, or comma-separated class probabilities; `posteriors`: also return
+        `prior`: train (default), site, adaptive, or comma-separated class probabilities; `posteriors`: also return
         each image's calibrated probabilities."""
         files, data = self._batch_form(images, model, prior, posteriors)
         return self._batch_results(self._call("POST", "/predict/batch", files=files, data=data).json())

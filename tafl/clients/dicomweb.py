@@ -246,7 +246,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     plus `stored_sr` (instances whose SR was filed) and `sr_refused`. `sr_processes` and `site_mix` as for
     tafl.clients.score.score_folder (None: min(2, cores) for 16 instances or more, as `tafl score` does)."""
     from tafl.clients.dicom_out import DicomWriter, processes_for
-    from tafl.clients.score import ResultsFile, Row, check_site_mix, make_scorer, summarise
+    from tafl.clients.score import ResultsFile, Row, check_site_mix, explicit_prior, make_scorer, summarise, use_site_prior
 
     out = Path(out)
     if (url is None) == (package is None):
@@ -264,7 +264,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
         raise ConfigError("--concurrency and --batch-size must be at least 1")
     mode = (prior or "train").strip().lower()
     adaptive = mode == "adaptive"
-    explicit = None if mode in ("train", "adaptive") else prior
+    explicit = explicit_prior(prior)
     if adaptive:
         from tafl.prior import adaptive_blocked
 
@@ -274,7 +274,9 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     if not images:
         raise DataError(f"{dicomweb} holds no image instance for this query ({len(others)} non-image instance(s))")
     scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
-    check_site_mix(scorer.meta, site_mix, adaptive)
+    check_site_mix(scorer.meta, site_mix, mode)
+    if mode == "site":
+        explicit = use_site_prior(scorer, site_mix)
     experts = [e["name"] for e in scorer.meta.get("experts", [])]
     results = ResultsFile(out, experts, resume=resume, force=force,
                           num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
@@ -408,7 +410,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
         spool.cleanup()
     summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo),
                         predicted_now=state["predicted"], failed=failed, skipped=skipped, explicit=explicit,
-                        adaptive=adaptive, site_mix=site_mix)
+                        adaptive=adaptive, site_mix=site_mix, site_rule=mode == "site")
     summary.update(source=pacs.url, non_image=len(skipped))
     if store_sr:
         summary.update(stored_sr=state["stored"], sr_refused=state["refused"])

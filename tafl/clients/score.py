@@ -326,7 +326,7 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
     images, skipped = walk(folder)
     if not images:
         raise DataError(f"{folder} holds no DICOM, PNG or JPEG files ({len(skipped)} other file(s) skipped)")
-    explicit = None if mode in ("train", "adaptive") else prior
+    explicit = explicit_prior(prior)
     if engine == "ray":
         from tafl.clients.ray_engine import RayScorer
 
@@ -337,7 +337,9 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         check_prior_support(scorer.meta, prior, adaptive, explicit)
     else:
         scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
-    check_site_mix(scorer.meta, site_mix, adaptive)
+    check_site_mix(scorer.meta, site_mix, mode)
+    if mode == "site":
+        explicit = use_site_prior(scorer, site_mix)
     experts = [e["name"] for e in scorer.meta.get("experts", [])]
     results = ResultsFile(out, experts, resume=resume, force=force,
                           num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
@@ -395,7 +397,7 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
             dicom.close()
     summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo), predicted_now=predicted_now,
                         failed=failed, skipped=[rel(p) for p in skipped], explicit=explicit, adaptive=adaptive,
-                        site_mix=site_mix)
+                        site_mix=site_mix, site_rule=mode == "site")
     if dicom is not None:
         summary.update(dicom_written=dicom.written, dicom_failed=dicom.failed)
     return summary
@@ -406,7 +408,7 @@ def make_scorer(url: str | None, package: str | None, token: str | None, model: 
     """The in-process (--package) or remote (--url) scorer, with an explicit prior's ratio set and the prior
     mode checked against the model."""
     mode = (prior or "train").strip().lower()
-    explicit = None if mode in ("train", "adaptive") else prior
+    explicit = explicit_prior(prior)
     if url:
         scorer: Any = RemoteScorer(url, token, model, concurrency, min(batch_size, 64), prior=explicit,
                                    posteriors=mode == "adaptive")
@@ -424,20 +426,49 @@ def check_prior_support(meta: dict[str, Any], prior: str, adaptive: bool, explic
                           "exported before prior-aware inference; re-export it with this tafl")
 
 
-def check_site_mix(meta: dict[str, Any], site_mix: str | None, adaptive: bool) -> None:
-    """--site-mix goes with --prior adaptive and names only the model's classes: checked before anything is scored."""
+PRIOR_WORDS = ("train", "adaptive", "site")  # the --prior values that are not a list of class probabilities
+
+
+def explicit_prior(prior: str | None) -> str | None:
+    """--prior as class probabilities for the graph, or None for train, adaptive and site (set by the scorer)."""
+    return None if (prior or "train").strip().lower() in PRIOR_WORDS else prior
+
+
+def check_site_mix(meta: dict[str, Any], site_mix: str | None, mode: str) -> None:
+    """--site-mix goes with --prior adaptive (the estimate's centre) or --prior site (the fixed prior) and names only
+    the model's classes; --prior site needs it. Checked before anything is scored. `mode`: the --prior word."""
+    if mode == "site" and not site_mix:
+        raise ConfigError("--prior site decides every image for this site's own class mix: give it with --site-mix "
+                          "CLASS=COUNT,... (or a JSON file), or set TAFL_SITE_MIX")
     if not site_mix:
         return
-    if not adaptive:
-        raise ConfigError("--site-mix centres the case-mix estimate: it goes with --prior adaptive")
+    if mode not in ("adaptive", "site"):
+        raise ConfigError("--site-mix is this site's class mix: it goes with --prior site (decide for that mix) or "
+                          "--prior adaptive (centre the case-mix estimate on it)")
     from tafl.prior import parse_site_mix
 
     parse_site_mix(site_mix, list(meta["class_names"]), "--site-mix")
 
 
+def use_site_prior(scorer: Any, site_mix: str | None) -> str:
+    """--prior site: the scorer decides every image for this site's own mix (tafl.prior.site_prior, from
+    --site-mix), through the graph's prior input in-process or the service's explicit prior over HTTP. Returns
+    that prior as the explicit prior's text."""
+    from tafl.prior import parse_site_mix, site_prior
+
+    check_prior_support(scorer.meta, "site", False, "site")
+    q = site_prior(parse_site_mix(site_mix or "", list(scorer.meta["class_names"]), "--site-mix"))
+    text = ",".join(f"{v:.12g}" for v in q)
+    if isinstance(scorer, RemoteScorer):
+        scorer.prior = text
+    else:
+        scorer.ratio = _explicit_ratio(scorer.meta, text)
+    return text
+
+
 def summarise(meta: dict[str, Any], counts: dict[str, int], out: Path, *, images: int, todo: int, predicted_now: int,
               failed: list[tuple[str, str]], skipped: list[str], explicit: str | None,
-              adaptive: bool, site_mix: str | None = None) -> dict[str, Any]:
+              adaptive: bool, site_mix: str | None = None, site_rule: bool = False) -> dict[str, Any]:
     """The job's summary: counts, failures, skipped inputs and the predicted class mix beside the training mix
     (re-decided for the estimated mix with --prior adaptive)."""
     names = meta["class_names"]
@@ -451,6 +482,8 @@ def summarise(meta: dict[str, Any], counts: dict[str, int], out: Path, *, images
     summary = {"images": images, "scored_now": todo, "already_done": images - todo,
                "predicted": predicted_now, "predicted_in_file": scored, "failed": failed, "skipped": skipped,
                "class_mix": mix, "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
+    if site_rule and explicit is not None:  # --prior site: the site's own mix, as the graph was given it
+        summary["prior"] = {"used": "site", "prior": dict(zip(names, (float(v) for v in explicit.split(","))))}
     if adaptive:
         summary["prior"] = redecide_adaptive(out, meta, site_mix)
         for m in mix:

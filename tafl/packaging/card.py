@@ -97,9 +97,11 @@ def render_card(m: dict[str, Any]) -> str:
     rows = site_rows(m)
     if rows:
         lines += ["", "### Per site", "", SITES_NOTE, "",
-                  "| site | test images | accuracy | balanced accuracy | adapted | true mix given |", "|---|---|---|---|---|---|"]
+                  "| site | test images | accuracy | balanced accuracy | site's own mix | adapted | true mix given |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['site']} | {r['n_test'] if r['n_test'] is not None else ''} | {_pct(r['own'])} | "
-                  f"{_pct(r['own_balanced'])} | {_pct(r['adapted'])} | {_pct(r['oracle'])} |" for r in rows]
+                  f"{_pct(r['own_balanced'])} | {_pct(r['site_mix'])} | {_pct(r['adapted'])} | {_pct(r['oracle'])} |"
+                  for r in rows]
     lines += ["", "## Privacy", ""] + privacy_lines(m.get("privacy"))
     lines += ["", "## Limitations", ""] + [f"- {x}" for x in m["limitations"]]
     prov = m["data_provenance"]

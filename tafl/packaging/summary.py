@@ -163,7 +163,8 @@ def summary_markdown(meta: dict[str, Any]) -> list[str]:
 
 # the per-site table's note: what each column means (the model card and the page)
 SITES_NOTE = ("Each site (hospital) is scored on its own test images, at its own real case mix: with the model's own "
-              "decision; adapted to the case mix the service estimates from that site's unlabeled images "
+              "decision; at the site's own training mix (prior=site with the site's class counts, no image to wait "
+              "for); adapted to the case mix the service estimates from that site's unlabeled images "
               "(prior=adaptive); and with the site's true case mix given (the best adapting could do). Balanced "
               "accuracy is the mean of the per-class recalls, the number Fed-ISIC2019 reports.")
 
@@ -180,14 +181,14 @@ def site_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
         return finite(((d or {}).get(name) or {}).get(key)) if isinstance(d, dict) else None
 
     rows = [{"site": str(name), "n_test": (d or {}).get("n_test") if isinstance(d, dict) else None,
-             "own": rule(d, "own"), "own_balanced": rule(d, "own", "balanced_accuracy"),
+             "own": rule(d, "own"), "own_balanced": rule(d, "own", "balanced_accuracy"), "site_mix": rule(d, "site"),
              "adapted": rule(d, "adapted"), "oracle": rule(d, "oracle")} for name, d in sites.items()]
     mean = met.get("site_mean") or {}
     rows.append({"site": "mean over sites", "n_test": None, "own": rule(mean, "own"),
-                 "own_balanced": rule(mean, "own", "balanced_accuracy"), "adapted": rule(mean, "adapted"),
-                 "oracle": rule(mean, "oracle")})
+                 "own_balanced": rule(mean, "own", "balanced_accuracy"), "site_mix": rule(mean, "site"),
+                 "adapted": rule(mean, "adapted"), "oracle": rule(mean, "oracle")})
     pooled = finite(met.get("pooled_balanced_accuracy"))
     if pooled is not None:
         rows.append({"site": "all sites pooled", "n_test": sum(r["n_test"] or 0 for r in rows), "own": None,
-                     "own_balanced": pooled, "adapted": None, "oracle": None})
+                     "own_balanced": pooled, "site_mix": None, "adapted": None, "oracle": None})
     return rows

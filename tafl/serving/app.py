@@ -99,9 +99,9 @@ async def _starlette_form(request: Request, max_files: int, limit: int,
 
 # ------------------------------------------------------------------ priors
 def prior_choice(model: LoadedModel, options: dict[str, str]) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """The request's `prior`: train (default, stateless), adaptive (the model's current case-mix estimate) or an
-    explicit prior (comma-separated or a JSON list, one value per class). Returns the graph's log prior ratio
-    (None: the plain rule) and the response's `prior` section."""
+    """The request's `prior`: train (default, stateless), site (this site's own class mix, TAFL_SITE_MIX),
+    adaptive (the model's current case-mix estimate) or an explicit prior (comma-separated or a JSON list, one value
+    per class). Returns the graph's log prior ratio (None: the plain rule) and the response's `prior` section."""
     from tafl.prior import check_prior, log_prior_ratio, total_variation
 
     raw = str(options.get("prior", "train")).strip()
@@ -116,6 +116,12 @@ def prior_choice(model: LoadedModel, options: dict[str, str]) -> tuple[np.ndarra
         raise BadRequest(f"model '{model.name}' {model.package.version} was exported before prior-aware inference; "
                          "re-export it with this tafl to use prior=adaptive or an explicit prior")
     src = model.monitor.source
+    if raw.lower() == "site":
+        if model.site_prior is None:
+            raise BadRequest("prior=site decides for this site's own class mix, and this service was started "
+                             "without one: start it with --site-mix CLASS=COUNT,... (or TAFL_SITE_MIX)")
+        q = model.site_prior
+        return log_prior_ratio(q, src), {"used": "site", "prior": dict(zip(names, map(float, q)))}
     if raw.lower() == "adaptive":
         q, n, why = model.monitor.current()
         if q is None:
@@ -125,8 +131,8 @@ def prior_choice(model: LoadedModel, options: dict[str, str]) -> tuple[np.ndarra
     try:
         values = json.loads(raw) if raw.startswith("[") else [float(v) for v in raw.split(",")]
     except ValueError:
-        raise BadRequest(f"option 'prior' must be train, adaptive, or {len(names)} probabilities (one per class: "
-                         f"{', '.join(names)}), comma-separated; got {raw[:40]!r}") from None
+        raise BadRequest(f"option 'prior' must be train, site, adaptive, or {len(names)} probabilities (one per "
+                         f"class: {', '.join(names)}), comma-separated; got {raw[:40]!r}") from None
     try:
         q = check_prior(values, len(names), "option 'prior'")
     except ConfigError as exc:

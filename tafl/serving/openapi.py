@@ -59,8 +59,8 @@ BATCH = {
 OPTIONS = {
     "model": {"type": "string", "description": "the model's name (default: the first package loaded)"},
     "heatmap": {"type": "string", "description": "true: add the heatmap overlay (PNG, base64)"},
-    "prior": {"type": "string", "description": "train (default), adaptive, or one probability per class, "
-                                               "comma-separated"},
+    "prior": {"type": "string", "description": "train (default); site (the service's --site-mix); adaptive; or "
+                                               "one probability per class, comma-separated"},
     "posteriors": {"type": "string", "description": "true: add the calibrated probabilities under the prior"},
 }
 BINARY = {"type": "string", "format": "binary"}

@@ -391,6 +391,7 @@ class LoadedModel:
     loaded_at: float = field(default_factory=time.time)
     in_flight: int = 0
     monitor: PriorMonitor | None = None  # the served case mix, for packages whose graph takes a prior
+    site_prior: np.ndarray | None = None  # prior=site: this site's own mix (TAFL_SITE_MIX), for a prior-taking graph
 
     @property
     def name(self) -> str:
@@ -405,7 +406,9 @@ class LoadedModel:
                 "recent_batch_sizes": {"count": len(sizes), "mean": float(np.mean(sizes)) if sizes else None,
                                        "max": max(sizes) if sizes else None},
                 "lanes": self.batcher.lanes,  # model calls in flight at once (TAFL_MODEL_LANES)
-                "case_mix": self.monitor.describe() if self.monitor else None}
+                "case_mix": self.monitor.describe() if self.monitor else None,
+                "site_prior": None if self.site_prior is None else  # what prior=site decides for
+                dict(zip(self.package.class_names, map(float, self.site_prior)))}
 
 
 class ModelRegistry:
@@ -466,17 +469,18 @@ class ModelRegistry:
             return dict(zip(out_names, session.run(out_names, feed)))
 
         from tafl.errors import ConfigError
-        from tafl.prior import PriorEstimator, adaptive_blocked, parse_site_mix
+        from tafl.prior import PriorEstimator, adaptive_blocked, parse_site_mix, site_prior
 
-        monitor = None
+        monitor, site_q = None, None
         if takes_prior:
             try:  # a malformed record is the package's fault: refused like any other bad package, not a 500
                 estimator = PriorEstimator.from_dict(pkg.metadata["prior"].get("estimator"))
             except ConfigError as exc:
                 raise PackageError(f"{pkg.name} {pkg.version}: metadata prior.estimator: {exc}") from None
             if self.site_mix:  # a class this model lacks is the setting's fault: a ConfigError naming it
-                estimator = estimator.for_site(parse_site_mix(self.site_mix, list(pkg.metadata["class_names"]),
-                                                              f"TAFL_SITE_MIX for {pkg.name}"))
+                counts = parse_site_mix(self.site_mix, list(pkg.metadata["class_names"]), f"TAFL_SITE_MIX for {pkg.name}")
+                site_q = site_prior(counts)
+                estimator = estimator.for_site(counts)
                 if estimator.center != "site":
                     log.info("%s %s: TAFL_SITE_MIX is not used: its case-mix estimate is centred on %s, not on the "
                              "site's mix", pkg.name, pkg.version, estimator.center)
@@ -484,7 +488,7 @@ class ModelRegistry:
                                    self.prior_refresh, self.prior_min_images,
                                    blocked=adaptive_blocked(pkg.metadata.get("prior")), estimator=estimator)
         return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms, lanes), used, label or ref,
-                           monitor=monitor)
+                           monitor=monitor, site_prior=site_q)
 
     def get(self, name: str | None) -> LoadedModel:
         with self.lock:

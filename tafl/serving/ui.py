@@ -326,7 +326,7 @@ def _static_view(st: ServingState, model, index: int) -> dict[str, Any]:
         "card": render_card(st, pkg.card),
         "intended_use": meta.get("intended_use"),
         "summary": plain_summary(meta), "distributions_note": DISTRIBUTIONS_NOTE, "assumed_differs": differs,
-        "site_rows": [{**r, **{k: pct(r[k]) for k in ("own", "own_balanced", "adapted", "oracle")}}
+        "site_rows": [{**r, **{k: pct(r[k]) for k in ("own", "own_balanced", "site_mix", "adapted", "oracle")}}
                       for r in site_rows(meta)], "sites_note": SITES_NOTE,
     }
     with st.page_lock:
@@ -378,7 +378,7 @@ def panel_html(st: ServingState) -> str:
     for i, m in enumerate(loaded):
         static = _static_view(st, m, i)
         models.append({**static, **_live_view(st, m, static), "providers": ", ".join(m.providers),
-                       "source": _source_label(m.source),
+                       "source": _source_label(m.source), "site_prior": m.site_prior is not None,
                        "loaded_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.loaded_at))})
     s = st.settings
     return _templates(st).get_template("panel.html").render(models=models, max_mb=f"{s.max_upload_bytes / 2**20:g}",

@@ -133,24 +133,25 @@ def _dist_table(groups: dict[str, Reports], key: str) -> list[str]:
 
 def _site_table(groups: dict[str, Reports]) -> list[str]:
     """Runs with --client-column: the pooled balanced accuracy (FLamby's number), the mean over sites of each
-    site's own-mix accuracy at the model's own rule, adapted to the mix estimated from the site's unlabeled images
-    and at its true mix, and each site's own-rule accuracy."""
+    site's own-mix accuracy at the model's own rule, at the site's own training mix, adapted to the mix estimated
+    from the site's unlabeled images and at its true mix, and each site's own-rule accuracy."""
     if not any(r.get("sites") for reps in groups.values() for r in reps):
         return []
     site_names = sorted({s for reps in groups.values() for r in reps for s in (r.get("sites") or {})})
     lines = ["", "## Per site — each site's own test images (%)", "",
              "Pooled: balanced accuracy over every site's test images at the model's own rule. Mean over sites: "
-             "accuracy (balanced accuracy) on each site's own case mix at the model's own rule, adapted to the mix "
-             "estimated from the site's unlabeled test images, and at the site's true mix (oracle). Then each "
-             "site's own-rule accuracy.", "",
-             "| | runs (seeds) | pooled bal. acc | own | own (bal.) | adapted | adapted (bal.) | oracle | "
-             + " | ".join(site_names) + " |", "|" + "---|" * (8 + len(site_names))]
+             "accuracy (balanced accuracy) on each site's own case mix at the model's own rule, at the site's own "
+             "training mix (site: `prior=site`, no test image used), adapted to the mix estimated from the site's "
+             "unlabeled test images, and at the site's true mix (oracle). Then each site's own-rule accuracy.", "",
+             "| | runs (seeds) | pooled bal. acc | own | own (bal.) | site | site (bal.) | adapted | adapted (bal.) "
+             "| oracle | " + " | ".join(site_names) + " |", "|" + "---|" * (10 + len(site_names))]
     for lab, reps in groups.items():
         if not any(r.get("sites") for r in reps):
             continue
         cells = [cell(reps, lambda r: r["pooled_balanced_accuracy"])]
-        for rule, metric in (("own", "accuracy"), ("own", "balanced_accuracy"), ("adapted", "accuracy"),
-                             ("adapted", "balanced_accuracy"), ("oracle", "accuracy")):
+        for rule, metric in (("own", "accuracy"), ("own", "balanced_accuracy"), ("site", "accuracy"),
+                             ("site", "balanced_accuracy"), ("adapted", "accuracy"), ("adapted", "balanced_accuracy"),
+                             ("oracle", "accuracy")):
             cells.append(cell(reps, lambda r, a=rule, m=metric: r["site_mean"][a][m]))
         cells += [cell(reps, lambda r, s=s: r["sites"][s]["own"]["accuracy"]) for s in site_names]
         lines.append(f"| {lab} | {_seeds(reps)} | " + " | ".join(cells) + " |")

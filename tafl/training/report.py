@@ -124,25 +124,28 @@ def gap_table(dists: dict[str, dict[str, Any]]) -> list[str]:
 
 def site_table(r: dict[str, Any]) -> list[str]:
     """The per-site section (--client-column): each site's own test rows, its real case mix, at the model's own
-    rule, adapted to the mix estimated from that site's unlabeled images, and at the site's true mix."""
+    rule, at the site's own training mix, adapted to the mix estimated from that site's unlabeled images, and at
+    the site's true mix."""
     sites = r.get("sites")
     if not sites:
         return []
     lines = ["", "## Per site: each site's own test images (%)", "",
              f"Pooled test split, balanced accuracy at the model's own rule: **{pct(r['pooled_balanced_accuracy'])}**. "
-             "Per site: accuracy / balanced accuracy at the model's own rule, adapted to the case mix estimated from "
-             "the site's unlabeled test images, and at the site's true mix (the oracle).", "",
-             "| site | test images | own | adapted | oracle | estimate's TV |", "|---|---|---|---|---|---|"]
+             "Per site: accuracy / balanced accuracy at the model's own rule, at the site's own training mix "
+             "(`prior=site`: no test image used), adapted to the case mix estimated from the site's unlabeled test "
+             "images, and at the site's true mix (the oracle).", "",
+             "| site | test images | own | site | adapted | oracle | estimate's TV |", "|---|---|---|---|---|---|---|"]
 
-    def cell(d: dict[str, float]) -> str:
-        return f"{pct(d['accuracy'])} / {pct(d['balanced_accuracy'])}"
+    def cell(d: dict[str, float] | None) -> str:
+        return f"{pct(d['accuracy'])} / {pct(d['balanced_accuracy'])}" if d else "—"
 
     for name, s in sites.items():
-        lines.append(f"| {name} | {s['n_test']} | {cell(s['own'])} | {cell(s['adapted'])} | {cell(s['oracle'])} | "
-                     f"{s['estimate_tv']:.3f} |")
+        lines.append(f"| {name} | {s['n_test']} | {cell(s['own'])} | {cell(s.get('site'))} | {cell(s['adapted'])} | "
+                     f"{cell(s['oracle'])} | {s['estimate_tv']:.3f} |")
     m = r.get("site_mean") or {}
     if m:
-        lines.append(f"| mean over sites | | {cell(m['own'])} | {cell(m['adapted'])} | {cell(m['oracle'])} | |")
+        lines.append(f"| mean over sites | | {cell(m['own'])} | {cell(m.get('site'))} | {cell(m['adapted'])} | "
+                     f"{cell(m['oracle'])} | |")
     if r.get("sites_without_test"):
         lines += ["", f"Sites without test rows (not evaluated): {', '.join(r['sites_without_test'])}."]
     return lines

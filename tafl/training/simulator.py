@@ -795,11 +795,12 @@ def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState
 def site_evaluation(method: Method, state: GlobalState, test_out: dict[str, np.ndarray], ds: Dataset
                     ) -> dict[str, Any]:
     """Each site's own test rows, its real case mix (--client-column): accuracy and balanced accuracy at the
-    model's own rule (`own`: what `prior=train` serves), adapted to the mix the package's estimator finds in that
-    site's unlabeled test images (`adapted`: what `prior=adaptive` would serve there) and at that site's true mix
-    (`oracle`); their mean over the sites; and the pooled test split's balanced accuracy at the model's own rule
+    model's own rule (`own`: what `prior=train` serves), at the site's own training mix (`site`: what `prior=site`
+    serves there with `--site-mix`; no test image is used), adapted to the mix the package's estimator finds in
+    that site's unlabeled test images (`adapted`: what `prior=adaptive` would serve there) and at that site's true
+    mix (`oracle`); their mean over the sites; and the pooled test split's balanced accuracy at the model's own rule
     (the number Fed-ISIC2019/FLamby reports). A site without test rows is listed in `sites_without_test`."""
-    from tafl.prior import Calibration, PriorEstimator, adapt
+    from tafl.prior import Calibration, PriorEstimator, adapt, site_prior
 
     C = len(ds.class_names)
     calib = Calibration.from_dict(state.meta.get("calibration"), C)
@@ -826,7 +827,10 @@ def site_evaluation(method: Method, state: GlobalState, test_out: dict[str, np.n
                        "oracle": scores(adapt(p, source, counts / counts.sum()).argmax(1), truth),
                        "estimated_mix": [float(v) for v in est.prior],
                        "estimate_tv": float(0.5 * np.abs(est.prior - counts / counts.sum()).sum())}
-    rules = ("own", "adapted", "oracle")
+        if k in own_mix and own_mix[k].sum() > 0:  # the site's own training mix, fixed: no test images used
+            sites[name]["site"] = scores(adapt(p, source, site_prior(own_mix[k])).argmax(1), truth)
+    rules = ("own", "site", "adapted", "oracle") if sites and all("site" in v for v in sites.values()) \
+        else ("own", "adapted", "oracle")
     mean = {rule: {m: float(np.mean([v[rule][m] for v in sites.values()])) for m in ("accuracy", "balanced_accuracy")}
             for rule in rules} if sites else {}
     return {"sites": sites, "site_mean": mean,

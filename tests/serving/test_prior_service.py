@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tafl.packaging import load_package
-from tafl.prior import log_prior_ratio
+from tafl.prior import log_prior_ratio, site_prior
 from tests.conftest import digit_png
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,8 @@ def test_train_prior_by_default_and_an_explicit_prior_decides_like_the_package(p
                                       ("1.5,-0.5,0,0,0,0,0,0,0,0", "negative"),
                                       ("0.5,0.5", "one value per class"),
                                       ("nan,1,0,0,0,0,0,0,0,0", "finite"),
-                                      ("lots", "train, adaptive")])
+                                      ("lots", "train, site, adaptive"),
+                                      ("site", "started without one: start it with --site-mix")])
 def test_a_bad_explicit_prior_is_a_400_with_a_message(prior_server, bad, why):
     r = post(prior_server, 1, prior=bad)
     assert r.status_code == 400, r.text
@@ -232,6 +233,14 @@ def test_a_site_gives_its_own_class_mix_as_the_centre_of_the_case_mix_estimate(g
     env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_PRIOR_WINDOW": "64", "TAFL_PRIOR_REFRESH": "4",
            "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES), "TAFL_SITE_MIX": spec}
     with ServerProcess([str(tmp_path / "pkg")], env=env, log_path=tmp_path / "service.log") as srv:
+        # prior=site: every image decided for the site's own mix at once, as an explicit prior of that mix would be
+        q_site = site_prior(want_mix)
+        for i in (3, 7, 8):
+            r, e = post(srv, i, prior="site").json(), post(srv, i, prior=",".join(f"{v:.12g}" for v in q_site)).json()
+            assert r["prior"]["used"] == "site" and r["prior"]["prior"][names[7]] == pytest.approx(q_site[7])
+            assert (r["label"], r["probability"]) == (e["label"], pytest.approx(e["probability"], abs=1e-6))
+        assert httpx.get(f"{srv.url}/models", timeout=30).json()["models"][0]["site_prior"][names[7]] == \
+            pytest.approx(q_site[7])
         for i in range(2 * MIN_IMAGES):
             assert post(srv, i % 10).status_code == 200
         deadline = time.time() + 10
@@ -244,8 +253,10 @@ def test_a_site_gives_its_own_class_mix_as_the_centre_of_the_case_mix_estimate(g
     folder.mkdir()
     for i in range(40):
         (folder / f"{i:03d}.png").write_bytes(digit_png(i % 10))
-    with pytest.raises(ConfigError, match="goes with --prior adaptive"):
+    with pytest.raises(ConfigError, match="goes with --prior site .* or --prior adaptive"):
         score_folder(folder, tmp_path / "x.csv", package=str(tmp_path / "pkg"), progress=False, site_mix=spec)
+    with pytest.raises(ConfigError, match="--prior site decides every image for this site's own class mix"):
+        score_folder(folder, tmp_path / "x.csv", package=str(tmp_path / "pkg"), progress=False, prior="site")
     with pytest.raises(ConfigError, match="--site-mix: no class 'zebra'"):
         score_folder(folder, tmp_path / "x.csv", package=str(tmp_path / "pkg"), progress=False, prior="adaptive",
                      site_mix="zebra=1")
@@ -262,3 +273,11 @@ def test_a_site_gives_its_own_class_mix_as_the_centre_of_the_case_mix_estimate(g
     assert np.allclose([site["prior"]["estimate"][n] for n in names], q)
     # 50 pseudo-images of a mix that is 90 % class 7 pull the estimate of 40 balanced images toward class 7
     assert site["prior"]["estimate"][names[7]] > plain["prior"]["estimate"][names[7]] + 0.2
+    # --prior site: the rows are those of the site's mix given as an explicit prior; the summary names the rule
+    fixed = score_folder(folder, tmp_path / "f.csv", package=str(tmp_path / "pkg"), progress=False, prior="site",
+                         site_mix=spec)
+    score_folder(folder, tmp_path / "e.csv", package=str(tmp_path / "pkg"), progress=False,
+                 prior=",".join(f"{v:.12g}" for v in site_prior(want_mix)))
+    assert fixed["prior"]["used"] == "site" and fixed["prior"]["prior"][names[7]] == pytest.approx(q_site[7])
+    labels = [[r.split(",")[1] for r in (tmp_path / f).read_text().splitlines()] for f in ("f.csv", "e.csv")]
+    assert labels[0] == labels[1] and labels[0].count(names[7]) > 4

@@ -198,6 +198,7 @@ def hostile_pkg(gtafl_pkg, tmp_path_factory) -> Path:
     # as if trained with --client-column: two sites, one named with markup
     meta["metrics"]["sites"] = {
         "vienna": {"n_test": 88, "own": {"accuracy": 0.71, "balanced_accuracy": 0.42},
+                   "site": {"accuracy": 0.765, "balanced_accuracy": 0.45},
                    "adapted": {"accuracy": 0.74, "balanced_accuracy": 0.44},
                    "oracle": {"accuracy": 0.78, "balanced_accuracy": 0.47}},
         HOSTILE_CLASS: {"n_test": 12, "own": {"accuracy": 0.5, "balanced_accuracy": None}}}
@@ -244,17 +245,17 @@ def test_the_page_states_each_model_s_privacy_guarantee(server, hostile_server):
 
 
 def test_a_model_trained_on_sites_shows_each_site_on_its_own_patients(hostile_server):
-    """Per site (--client-column runs): each site's own-mix accuracy, balanced accuracy, adapted and true-mix
-    figures, the mean over sites and the pooled balanced accuracy; a missing number is a dash, not a crash."""
+    """Per site (--client-column runs): each site's own-mix accuracy, balanced accuracy, at the site's own mix,
+    adapted and true-mix figures, the mean over sites and the pooled balanced accuracy; a missing number is a dash, not a crash."""
     from html import unescape
 
     html = get(hostile_server, "/").text
     table = html.split('<table class="data sites">', 1)[1].split("</table>", 1)[0]
     rows = [re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", " ", r))).strip() for r in table.split("<tr>")[2:]]
-    assert rows[0] == "vienna 88 71.0% 42.0% 74.0% 78.0%"
-    assert rows[1] == f"{HOSTILE_CLASS} 12 50.0% — — —"  # escaped in the HTML, shown as text
-    assert rows[2] == "mean over sites 60.5% 42.0% — —"
-    assert rows[3] == "all sites pooled 100 — 43.3% — —"
+    assert rows[0] == "vienna 88 71.0% 42.0% 76.5% 74.0% 78.0%"  # own, balanced, site's own mix, adapted, true mix
+    assert rows[1] == f"{HOSTILE_CLASS} 12 50.0% — — — —"  # escaped in the HTML, shown as text
+    assert rows[2] == "mean over sites 60.5% 42.0% — — —"
+    assert rows[3] == "all sites pooled 100 — 43.3% — — —"
     assert "Each site on its own patients" in html
 
 

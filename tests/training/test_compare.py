@@ -84,10 +84,11 @@ def test_cli_compare_prints_mean_and_sd_and_writes_the_plot(tmp_path, capsys):
 def _site_report(method: str, seed: int, pooled: float, own: dict[str, float], **cfg) -> dict:
     rep = _report(method, seed, 0.5, **cfg)
     rep["sites"] = {s: {"n_test": 10, "own": {"accuracy": a, "balanced_accuracy": a / 2},
+                        "site": {"accuracy": a + 0.005, "balanced_accuracy": a / 2},
                         "adapted": {"accuracy": a + 0.01, "balanced_accuracy": a / 2},
                         "oracle": {"accuracy": a + 0.02, "balanced_accuracy": a / 2}} for s, a in own.items()}
     rep["site_mean"] = {rule: {m: sum(v[rule][m] for v in rep["sites"].values()) / len(own)
-                               for m in ("accuracy", "balanced_accuracy")} for rule in ("own", "adapted", "oracle")}
+                               for m in ("accuracy", "balanced_accuracy")} for rule in ("own", "site", "adapted", "oracle")}
     rep["pooled_balanced_accuracy"] = pooled
     return rep
 
@@ -105,7 +106,9 @@ def test_site_runs_get_a_per_site_table_and_the_decision_names_the_row(tmp_path)
     paths = [_write(tmp_path, f"r{i}", r) for i, r in enumerate([*base, local, plain])]
     text, _ = compare(paths)
     table = text.split("## Per site")[1].split("\n## ")[0]
-    assert "| pooled bal. acc | own | own (bal.) | adapted | adapted (bal.) | oracle | north | south |" in table
+    assert ("| pooled bal. acc | own | own (bal.) | site | site (bal.) | adapted | adapted (bal.) | oracle | north | "
+            "south |") in table
+    assert "| 72.50 ± 3.54 | 36.25 ± 1.77 | 73.00 ± 3.54 |" in table  # the site rule: own + 0.5
     row = next(x for x in table.splitlines() if x.startswith("| fedavg + τ on validation | 2 (1, 2) |"))
     # pooled 42 ± 2.83; mean over sites (80+60)/2=70 and (80+70)/2=75 -> 72.50 ± 3.54; south 65.00 ± 7.07
     assert "| 42.00 ± 2.83 | 72.50 ± 3.54 |" in row and row.endswith("| 80.00 ± 0.00 | 65.00 ± 7.07 |")

@@ -127,7 +127,7 @@ def test_a_site_run_trains_and_reports_each_site_on_its_own_mix(tmp_path):
         test = [x for x in rows if x["center"] == site and x["fold"] == "test"]
         assert r["n_test"] == len(test) and sum(r["test_class_counts"]) == len(test)
         assert r["test_class_counts"][9] == sum(x["dx"] == "9" for x in test)
-        for rule in ("own", "adapted", "oracle"):
+        for rule in ("own", "site", "adapted", "oracle"):
             assert 0 <= r[rule]["balanced_accuracy"] <= 1 and 0 <= r[rule]["accuracy"] <= 1
         assert abs(sum(r["estimated_mix"]) - 1) < 1e-6
     own = [r["own"]["accuracy"] for r in report["sites"].values()]
@@ -147,7 +147,56 @@ def test_a_site_run_trains_and_reports_each_site_on_its_own_mix(tmp_path):
     card = pkg.card.split("### Per site", 1)[1].split("\n## ", 1)[0]
     own = 100 * report["sites"]["north"]["own"]["accuracy"]
     assert f"| north | {report['sites']['north']['n_test']} | {own:.1f}% |" in card
-    assert f"| all sites pooled | {n} | — | {100 * report['pooled_balanced_accuracy']:.1f}% | — | — |" in card
+    assert f"| all sites pooled | {n} | — | {100 * report['pooled_balanced_accuracy']:.1f}% | — | — | — |" in card
+
+
+def test_the_site_rule_decides_each_site_for_its_own_training_mix_without_its_test_images():
+    """`site` in the per-site report: each site's test rows decided for that site's own training mix (smoothed by
+    tafl.prior.site_prior), which a site knows from its own labels; it never reads the test labels' mix."""
+    from types import SimpleNamespace
+
+    from tafl.prior import adapt, site_prior
+    from tafl.training.data import Split
+    from tafl.training.simulator import site_evaluation
+
+    rng = np.random.default_rng(0)
+    C, n = 3, 300
+
+    def split(labels, sites):
+        return Split(np.zeros((len(labels), 1, 1, 1), np.uint8), np.asarray(labels), np.arange(len(labels)),
+                     np.asarray(sites))
+
+    # site 0 sees mostly class 0, site 1 mostly class 2; the test rows follow the same mixes
+    train_labels = np.r_[np.zeros(80, int), np.ones(10, int), 2 * np.ones(10, int),
+                         np.zeros(10, int), np.ones(10, int), 2 * np.ones(80, int)]
+    train_sites = np.r_[np.zeros(100, int), np.ones(100, int)]
+    test_sites = np.r_[np.zeros(n // 2, int), np.ones(n // 2, int)]
+    test_labels = np.where(test_sites == 0, rng.choice(C, n, p=[0.8, 0.1, 0.1]), rng.choice(C, n, p=[0.1, 0.1, 0.8]))
+    # a weak, balanced model: the true class gets a little more than the others
+    logits = rng.normal(0, 1, (n, C)) + 0.8 * np.eye(C)[test_labels]
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    ds = SimpleNamespace(class_names=["a", "b", "c"], site_names=["left", "right"],
+                         train=split(train_labels, train_sites), test=split(test_labels, test_sites))
+    method = SimpleNamespace(posterior_logits=lambda out: np.log(out["probs"]),
+                             default_source_prior=lambda state: np.full(C, 1 / C))
+    state = SimpleNamespace(meta={})
+    res = site_evaluation(method, state, {"probs": probs, "label": probs.argmax(1)}, ds)
+    for k, name in enumerate(ds.site_names):
+        idx = test_sites == k
+        mix = np.bincount(train_labels[train_sites == k], minlength=C)
+        want = adapt(probs[idx], np.full(C, 1 / C), site_prior(mix)).argmax(1)
+        got = res["sites"][name]["site"]["accuracy"]
+        assert got == pytest.approx((want == test_labels[idx]).mean())
+        assert got > res["sites"][name]["own"]["accuracy"] + 0.1  # the balanced rule is wrong for a skewed site
+    assert res["site_mean"]["site"]["accuracy"] == pytest.approx(
+        np.mean([r["site"]["accuracy"] for r in res["sites"].values()]))
+    # the site prior: the site's mix with 1 % of the uniform mix, so a class the site never saw stays possible
+    q = site_prior([98, 2, 0])
+    assert q.sum() == pytest.approx(1) and q[2] == pytest.approx(0.01 / 3) and q[0] == pytest.approx(0.99 * 0.98 + 0.01 / 3)
+    assert site_prior([0.5, 0.5, 0]).tolist() == pytest.approx(site_prior([50, 50, 0]).tolist())  # shares or counts
+    for bad in ([0, 0, 0], [1, -1, 2], [np.nan, 1, 1], [3]):
+        with pytest.raises(ConfigError, match="one non-negative count per class"):
+            site_prior(bad)
 
 
 @pytest.mark.parametrize("flags,pattern", [
