@@ -125,9 +125,11 @@ class ModelPackage:
         """Drop the in-memory copy of model.onnx (an ONNX Runtime session holds its own)."""
         self._model_bytes = None
 
-    def session(self, providers: list[str] | None = None, threads: int | None = None):
+    def session(self, providers: list[str] | None = None, threads: int | None = None, spin: bool = True):
         """An ONNX Runtime session, CUDA first where it is available (FIELD-NOTES: preload its DLLs), built from
-        the verified bytes of model.onnx, never from the path after the check."""
+        the verified bytes of model.onnx, never from the path after the check. `spin=False`: ONNX Runtime's
+        pool threads sleep between runs instead of spinning, for a process that runs one small batch at a time
+        beside other work (the DICOM listener: docs/results.md §17.4)."""
         import onnxruntime as ort
 
         if providers is None:
@@ -145,6 +147,9 @@ class ModelPackage:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
+        if not spin:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
         use = [p for p in providers if p in available] or ["CPUExecutionProvider"]
         data = self.model_bytes()
         try:

@@ -184,6 +184,24 @@ def test_folder_destination_retired_classes_and_non_images(gtafl_pkg, tmp_path):
     refs = {pydicom.dcmread(f).CurrentRequestedProcedureEvidenceSequence[0].ReferencedSeriesSequence[0]
             .ReferencedSOPSequence[0].ReferencedSOPClassUID for f in files}
     assert len(files) == 2 and "1.2.840.10008.5.1.4.1.1.6" in refs
+    # the listener runs one image at a time beside other work: its ONNX Runtime threads do not spin between runs
+    opts = lst.session.get_session_options()
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_a_session_that_does_not_spin_answers_as_one_that_does(gtafl_pkg):
+    import numpy as np
+
+    from tafl.packaging import load_package
+
+    pkg = load_package(gtafl_pkg)
+    x = np.random.default_rng(0).random((3, *pkg.metadata["input"]["shape"][1:]), dtype=np.float32)
+    spinning, quiet = pkg.session(["CPUExecutionProvider"]), pkg.session(["CPUExecutionProvider"], spin=False)
+    a, b = pkg.run(spinning, x), pkg.run(quiet, x)
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert quiet.get_session_options().get_session_config_entry("session.inter_op.allow_spinning") == "0"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # ONNX Runtime's default: spinning
+        spinning.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
 
 
 @pytest.mark.slow
