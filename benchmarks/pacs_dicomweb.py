@@ -46,6 +46,9 @@ from tests.dicom_net import echo, free_port, instances  # noqa: E402
 from tests.orthanc import Orthanc  # noqa: E402
 
 SHARED = Path(os.environ.get("TAFL_SHARED_DATA", REPO.parent / "shared" / "data")) / "dicom"
+# Orthanc as docs/pacs.md tells a site to run it: DCMTK's Nagle off (TCP_NODELAY=1; results.md §17.1). Without
+# it, every C-STORE to the listener waits on a delayed ACK (--orthanc-nagle measures that case).
+ORTHANC_ENV: dict[str, str] | None = {"TCP_NODELAY": "1"}
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # the listener at its defaults (decoder processes: min(2, cores))
 
 
@@ -107,7 +110,7 @@ def throughput(pkg: str, sent, work: Path, repeats: int) -> dict:
     folder.mkdir()
     for i, d in enumerate(sent):
         (folder / f"{i:04d}.dcm").write_bytes(part10(d))
-    pacs = Orthanc(work / "orthanc_tp").start()
+    pacs = Orthanc(work / "orthanc_tp", env=ORTHANC_ENV).start()
     try:
         loaded(pacs, sent)
         local, web = [], []
@@ -131,7 +134,7 @@ def throughput(pkg: str, sent, work: Path, repeats: int) -> dict:
 
 
 def kill_and_resume(pkg: str, sent, work: Path, rng: random.Random) -> dict:
-    pacs = Orthanc(work / "orthanc_kill").start()
+    pacs = Orthanc(work / "orthanc_kill", env=ORTHANC_ENV).start()
     try:
         loaded(pacs, sent)
         out = work / "killed.csv"
@@ -166,7 +169,7 @@ def listener(pkg: str, sent, work: Path, kill: bool) -> dict:
     port = free_port()
     tag = "kill" if kill else "plain"
     spool, log = work / f"spool_{tag}", work / f"listener_{tag}.log"
-    pacs = Orthanc(work / f"orthanc_l_{tag}", modalities={"tafl": ("TAFL", port)}).start()
+    pacs = Orthanc(work / f"orthanc_l_{tag}", modalities={"tafl": ("TAFL", port)}, env=ORTHANC_ENV).start()
 
     def start():
         return subprocess.Popen([sys.executable, "-m", "tafl.cli", "dicom-listen", "--package", pkg, "--port",
@@ -223,7 +226,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None, help="the kill point's draw (default: a fresh one, recorded)")
     ap.add_argument("--quick", action="store_true", help="throughput and the uninterrupted listener only (no kills); "
                     "prints, writes no results file")
+    ap.add_argument("--orthanc-nagle", action="store_true", help="Orthanc with DCMTK's default (Nagle's algorithm "
+                    "on), not as docs/pacs.md configures it")
     ns = ap.parse_args()
+    global ORTHANC_ENV
+    ORTHANC_ENV = None if ns.orthanc_nagle else ORTHANC_ENV
     if not Orthanc.available():
         sys.exit("Orthanc is not installed: apt-get install orthanc orthanc-dicomweb")
     seed = ns.seed if ns.seed is not None else secrets.randbelow(2**31)
@@ -233,7 +240,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tafl-pacs-") as tmp:
         work = Path(tmp)
         res = {"n": ns.n, "package": Path(pkg).name, "seed": seed, "date": time.strftime("%Y-%m-%d"),
-               "machine": f"{os.cpu_count()} cores"}
+               "machine": f"{os.cpu_count()} cores", "orthanc_env": ORTHANC_ENV or {}}
         res["throughput"] = throughput(pkg, sent, work, ns.repeats)
         print(json.dumps(res["throughput"], indent=1), flush=True)
         if ns.quick:
@@ -253,7 +260,8 @@ def main() -> None:
     lines = [
         "# tafl and a real PACS: Orthanc 1.10 with DICOMweb 1.7 (issue 35)", "",
         f"`python benchmarks/pacs_dicomweb.py PKG --n {ns.n} --repeats {ns.repeats}` (package {res['package']}, "
-        f"kill draw seed {seed}), {res['date']}, {res['machine']}; Orthanc, tafl and the listener share them.", "",
+        f"kill draw seed {seed}), {res['date']}, {res['machine']}; Orthanc, tafl and the listener share them. "
+        f"Orthanc's environment: {ORTHANC_ENV or 'Debian defaults (Nagle on)'}.", "",
         "## Throughput: the same instances, side by side (best of the repeats)", "",
         "| path | runs (s) | images/s |", "|---|---|---|",
         f"| local folder, `--dicom-out` | {', '.join(f'{t:.2f}' for t in tp['local_folder_s'])} | "
