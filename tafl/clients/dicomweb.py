@@ -246,7 +246,8 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     plus `stored_sr` (instances whose SR was filed) and `sr_refused`. `sr_processes` and `site_mix` as for
     tafl.clients.score.score_folder (None: min(2, cores) for 16 instances or more, as `tafl score` does)."""
     from tafl.clients.dicom_out import DicomWriter, processes_for
-    from tafl.clients.score import ResultsFile, Row, check_site_mix, explicit_prior, make_scorer, summarise, use_site_prior
+    from tafl.clients.score import (ResultsFile, Row, check_site_mix, explicit_prior, make_scorer, summarise,
+                                    use_site_prior)
 
     out = Path(out)
     if (url is None) == (package is None):

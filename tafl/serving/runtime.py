@@ -478,7 +478,8 @@ class ModelRegistry:
             except ConfigError as exc:
                 raise PackageError(f"{pkg.name} {pkg.version}: metadata prior.estimator: {exc}") from None
             if self.site_mix:  # a class this model lacks is the setting's fault: a ConfigError naming it
-                counts = parse_site_mix(self.site_mix, list(pkg.metadata["class_names"]), f"TAFL_SITE_MIX for {pkg.name}")
+                counts = parse_site_mix(self.site_mix, list(pkg.metadata["class_names"]),
+                                        f"TAFL_SITE_MIX for {pkg.name}")
                 site_q = site_prior(counts)
                 estimator = estimator.for_site(counts)
                 if estimator.center != "site":

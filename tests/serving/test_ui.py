@@ -246,7 +246,8 @@ def test_the_page_states_each_model_s_privacy_guarantee(server, hostile_server):
 
 def test_a_model_trained_on_sites_shows_each_site_on_its_own_patients(hostile_server):
     """Per site (--client-column runs): each site's own-mix accuracy, balanced accuracy, at the site's own mix,
-    adapted and true-mix figures, the mean over sites and the pooled balanced accuracy; a missing number is a dash, not a crash."""
+    adapted and true-mix figures, the mean over sites and the pooled balanced accuracy; a missing number is a dash,
+    not a crash."""
     from html import unescape
 
     html = get(hostile_server, "/").text

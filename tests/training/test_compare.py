@@ -88,7 +88,8 @@ def _site_report(method: str, seed: int, pooled: float, own: dict[str, float], *
                         "adapted": {"accuracy": a + 0.01, "balanced_accuracy": a / 2},
                         "oracle": {"accuracy": a + 0.02, "balanced_accuracy": a / 2}} for s, a in own.items()}
     rep["site_mean"] = {rule: {m: sum(v[rule][m] for v in rep["sites"].values()) / len(own)
-                               for m in ("accuracy", "balanced_accuracy")} for rule in ("own", "site", "adapted", "oracle")}
+                               for m in ("accuracy", "balanced_accuracy")}
+                       for rule in ("own", "site", "adapted", "oracle")}
     rep["pooled_balanced_accuracy"] = pooled
     return rep
 
