@@ -611,6 +611,10 @@ def _print_problems(s: dict[str, Any]) -> None:
 
 def _print_adaptive(s: dict[str, Any]) -> None:
     pr = s.get("prior") or {}
+    if pr.get("used") == "site":  # --prior site: say which mix decided, largest shares first
+        top = sorted(pr["prior"].items(), key=lambda kv: -kv[1])[:5]
+        print("decided for this site's own class mix (--prior site): "
+              + ", ".join(f"{k[:20]} {100 * v:.1f}%" for k, v in top) + (" ..." if len(pr["prior"]) > 5 else ""))
     if pr.get("requested") == "adaptive":
         if pr.get("used") == "adaptive":
             print(f"\nadaptive prior from {pr['images']} images (total variation {pr['shift_from_source']:.3f} from "

@@ -466,3 +466,21 @@ def test_a_bad_adaptive_mode_fails_before_the_folder_is_scored(gtafl_pkg, tmp_pa
     with pytest.raises(ConfigError, match="TAFL_PRIOR_ADAPTIVE must be checked or always"):
         score_folder(folder, tmp_path / "out.csv", package=str(gtafl_pkg), progress=False, prior="adaptive")
     assert not (tmp_path / "out.csv").exists()
+
+
+def test_tafl_score_prior_site_takes_the_mix_from_the_environment(gtafl_pkg, tmp_path, monkeypatch, capsys):
+    """`tafl score --prior site`: the site's mix comes from --site-mix or TAFL_SITE_MIX; the summary names it."""
+    from tafl.cli import main
+
+    folder = _digit_folder(tmp_path, 6)
+    names = load_package(gtafl_pkg).class_names
+    monkeypatch.setenv("TAFL_SITE_MIX", f"{names[7]}=90,{names[3]}=10")
+    assert main(["score", str(folder), "--out", str(tmp_path / "s.csv"), "--package", str(gtafl_pkg), "--prior",
+                 "site", "--no-progress"]) == 0
+    assert f"decided for this site's own class mix (--prior site): {names[7]} 89.2%, {names[3]} 10.0%" in \
+        capsys.readouterr().out
+    monkeypatch.delenv("TAFL_SITE_MIX")
+    assert main(["score", str(folder), "--out", str(tmp_path / "t.csv"), "--package", str(gtafl_pkg), "--prior",
+                 "site", "--no-progress"]) != 0
+    assert "--prior site decides every image for this site's own class mix" in capsys.readouterr().err
+    assert not (tmp_path / "t.csv").exists()
