@@ -9,6 +9,7 @@ page); their shared state is one ServingState per worker (tafl.serving.context),
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import bentoml
@@ -18,7 +19,7 @@ from tafl.serving.app import create_app
 from tafl.serving.context import STATE_KEY, ServingState
 from tafl.serving.http import ControlCharacterGuard
 from tafl.serving.runtime import ModelRegistry
-from tafl.serving.settings import Settings, check_service_env, max_concurrency
+from tafl.serving.settings import Settings, check_service_env, max_concurrency, service_workers
 
 log = logging.getLogger("tafl.serving")
 
@@ -52,12 +53,14 @@ CASE_MIX_SHIFT = bentoml.metrics.Gauge(
 # Admission: past `max_concurrency` requests in flight BentoML answers 429 at once (its health and metrics
 # routes are exempt), so a flood queues no unbounded work; read at import, as the decorator needs it.
 MAX_CONCURRENCY = max_concurrency()
+# worker processes (TAFL_WORKERS, default 1): BentoML starts them from the decorator, so it is read at import too
+WORKERS = service_workers()
 
 # the ASGI app BentoML mounts; its routes are fixed, and its `state.tafl` is the worker's ServingState
 APP = create_app()
 
 
-@bentoml.service(name="tafl", resources={"gpu": 1}, workers=1,
+@bentoml.service(name="tafl", resources={"gpu": 1}, workers=WORKERS,
                  traffic={"timeout": 120, "concurrency": 64, "max_concurrency": MAX_CONCURRENCY},
                  # the audit log already writes one JSON line per request; BentoML's access log and
                  # tracing would cost as much CPU again on a small machine. A sample rate of 0 still
@@ -72,9 +75,14 @@ class TaflService:
                                       max_wait_ms=settings.batch_wait_ms, prior_window=settings.prior_window,
                                       prior_refresh=settings.prior_refresh, prior_min_images=settings.prior_min_images,
                                       site_mix=settings.site_mix,
-                                      lanes=settings.model_lanes)
+                                      lanes=settings.model_lanes, workers=settings.workers)
         self.state = ServingState.start(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
         setattr(APP.state, STATE_KEY, self.state)
+        # what the worker loaded (BentoML, the packages, ONNX Runtime's Python side: ~150,000 objects) never becomes
+        # garbage: frozen, the cyclic collector stops walking it. Each full collection took ~70 ms of the event loop
+        # under load, 0.09 ms a request on average (docs/results.md §19.3); objects freed by reference count still are.
+        gc.collect()
+        gc.freeze()
         log.info("tafl service ready with %s (auth %s)", ", ".join(f"{m['name']} {m['version']}"
                                                                    for m in self.registry.describe()),
                  "on" if settings.token else "off")
