@@ -1,6 +1,9 @@
 """Service throughput at concurrency 32 under settings variants of one package, side by side in one run.
 
-    python benchmarks/serving_lanes.py PKG [--rounds 3] [--seconds 10] [--variants JSON]
+    python benchmarks/serving_lanes.py PKG [--rounds 3] [--seconds 10] [--variants JSON] [--name NAME]
+
+A variant is an environment: TAFL_* settings, or PYTHONPATH naming another checkout of tafl to compare code (run the
+script from a folder that holds no `tafl`, since `bentoml serve` puts its working folder first on the path).
 
 Each round starts `bentoml serve` once per variant (its TAFL_* environment, e.g. the model lanes and ONNX Runtime
 threads), drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (the §5 setup; 3 s warm-up, then
@@ -58,6 +61,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=10)
     ap.add_argument("--variants", help="JSON: variant name -> TAFL_* environment (default: 1, 2 and 3 lanes)")
+    ap.add_argument("--name", help="the results' name: benchmarks/results/serving_lanes_NAME.{json,md} (default: the "
+                    "package's name)")
     ap.add_argument("--report", metavar="JSON", help="only write the tables again from an earlier run's JSON")
     ns = ap.parse_args()
     if ns.report:
@@ -100,7 +105,7 @@ def report(ns: argparse.Namespace, rows: dict[str, list[dict]], variants: dict[s
            "backbone": meta.get("backbone"), "concurrency": 32, "seconds": ns.seconds, "rounds": rows,
            "summary": summary}
     res = REPO / "benchmarks" / "results"
-    stem = f"serving_lanes_{meta['name']}"
+    stem = f"serving_lanes_{ns.name or meta['name']}"
     (res / f"{stem}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Model lanes: {out['package']} ({meta['method']}, {meta.get('backbone')}), {date}", "",
              f"wrk at concurrency 32 for {ns.seconds} s per variant and round, {ns.rounds} rounds, the variants in turn "
