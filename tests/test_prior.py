@@ -343,3 +343,27 @@ def test_the_services_window_estimates_with_the_packages_estimator():
         got[name] = mon.current()[0]
         assert mon.describe()["estimator"]["pseudo_count"] == (0.0 if est is None else 40.0)
     assert got["mle"][0] < 0.01 and got["smooth"][0] >= 40 * 0.5 / 80 - 1e-9
+
+
+def test_the_services_window_is_estimated_at_most_every_min_interval_and_last_on_the_newest_rows():
+    """Under load the EM runs no more often than `min_interval`; the estimate after a burst still covers its last
+    images (the refresh that waited takes the window as it is when it runs)."""
+    import time
+
+    from tafl.serving.runtime import PriorMonitor
+
+    src = np.array([0.5, 0.5])
+    mon = PriorMonitor(src, window=1000, refresh=10, min_images=10, min_interval=0.3)
+    runs = []
+    inner = mon.estimator.estimate
+    mon.estimator.estimate = lambda rows, source, **kw: runs.append(len(rows)) or inner(rows, source, **kw)
+    t0 = time.monotonic()
+    for _ in range(50):  # 500 images in well under the interval: the refresh is due 50 times
+        mon.add(np.tile([0.2, 0.8], (10, 1)))
+    deadline = time.time() + 10
+    while (mon.estimate is None or mon.estimate.images < 500) and time.time() < deadline:
+        time.sleep(0.02)
+    elapsed = time.monotonic() - t0
+    assert mon.estimate.images == 500 and mon.current()[0][1] > 0.7
+    assert len(runs) <= 2 + elapsed / 0.3, (runs, elapsed)  # not one EM per 10 images
+    assert runs[-1] == 500

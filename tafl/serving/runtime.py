@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import os
 import re
 import threading
@@ -310,10 +311,12 @@ class Batcher:
 class PriorMonitor:
     """The case mix a model is served, estimated from a window of its recent calibrated probability vectors
     (the package's tafl.prior.PriorEstimator; no image is kept). `add` is cheap and runs on the event loop; the EM
-    runs in its own thread every `refresh` images, so estimation never blocks or fails a prediction."""
+    runs in its own thread every `refresh` images, so estimation never blocks or fails a prediction. Under load it
+    runs at most every `min_interval` seconds, on the window as it is then: an EM of 500 images takes up to 2 ms, and
+    at 1,000 images a second every 50 images it took 3-7 % of the service's throughput (docs/results.md §19.3)."""
 
     def __init__(self, source: np.ndarray, window: int = 500, refresh: int = 50, min_images: int = 100,
-                 blocked: str | None = None, estimator: Any = None):
+                 blocked: str | None = None, estimator: Any = None, min_interval: float = 0.5):
         from collections import deque
 
         from tafl.prior import PriorEstimator
@@ -332,6 +335,8 @@ class PriorMonitor:
         self.estimate: Any = None  # tafl.prior.PriorEstimate of the last refresh
         self.updated_at: float | None = None
         self.running = False
+        self.min_interval = max(0.0, min_interval)
+        self.last_run = -math.inf  # time.monotonic() of the last estimate's start
         self.errors = 0
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tafl-prior")
 
@@ -342,13 +347,19 @@ class PriorMonitor:
             self.since += len(probs_source)
             due = self.since >= self.refresh and not self.running
             if due:
-                self.running, self.since = True, 0
-                snapshot = np.stack(self.rows)
+                self.running = True
         if due:
-            self.pool.submit(self._refresh, snapshot)
+            self.pool.submit(self._refresh)
 
-    def _refresh(self, rows: np.ndarray) -> None:
+    def _refresh(self) -> None:
         try:
+            # no sooner than min_interval after the last one; the images served meanwhile are in the window it takes
+            wait = self.last_run + self.min_interval - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            with self.lock:
+                self.since, self.last_run = 0, time.monotonic()
+                rows = np.stack(self.rows)
             est = self.estimator.estimate(rows, self.source)
             with self.lock:
                 self.estimate, self.updated_at = est, time.time()
