@@ -85,6 +85,12 @@ class NotFound(ServiceError):
     status = 404
 
 
+class Conflict(ServiceError):
+    """The request cannot be done in the service's current configuration (409), e.g. a reload with several workers."""
+
+    status = 409
+
+
 class PayloadTooLarge(ServiceError):
     status = 413
 

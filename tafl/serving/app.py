@@ -18,6 +18,7 @@ import base64
 import collections
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -317,7 +318,10 @@ async def predict_batch(request: Request, call: Call) -> Response:
 # ------------------------------------------------------------------ models and reload
 @endpoint("/models", audited=False)
 async def models(request: Request, call: Call) -> Response:
-    return JSONResponse({"models": call.state.registry.describe()}, headers={"X-Request-ID": call.rid})
+    # with several workers (TAFL_WORKERS) each answers for itself: its batch sizes and its case-mix window
+    worker = {"workers": call.state.settings.workers, "pid": os.getpid()}
+    return JSONResponse({"models": call.state.registry.describe(), "worker": worker},
+                        headers={"X-Request-ID": call.rid})
 
 
 @endpoint("/admin/reload", auth=False, timeout=False)
@@ -327,7 +331,7 @@ async def reload(request: Request, call: Call) -> Response:
     Off (403) without TAFL_ADMIN_TOKEN; the API token is not enough (401). The body is {"package": REF}: a
     BentoML tag, or a folder inside TAFL_PACKAGE_ROOT (tafl.serving.runtime.reload_target). No response or
     log line names a host path; a package that fails verification answers 400 and the old version stays."""
-    from tafl.errors import Forbidden, PackageError
+    from tafl.errors import Conflict, Forbidden, PackageError
     from tafl.serving.runtime import reload_error, reload_target, scrub_paths
 
     st = call.state
@@ -337,6 +341,10 @@ async def reload(request: Request, call: Call) -> Response:
             raise Forbidden("reloading is disabled: this service was started without TAFL_ADMIN_TOKEN (the API "
                             "token does not allow reloads)")
         check_auth(request, st.settings.admin_token, "/admin/reload")
+        if st.settings.workers > 1:  # a reload swaps the package in the worker that answers, and only there
+            raise Conflict(f"this service runs {st.settings.workers} worker processes (TAFL_WORKERS), and a reload "
+                           "would change the model in one of them only; restart the service with the new package, "
+                           "or run one worker to reload without a restart")
         body = await read_body(request, 64 * 1024)
         try:
             payload = json.loads(body) if body.strip() else None

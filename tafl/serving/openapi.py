@@ -71,7 +71,9 @@ FORMAT = {"type": "string", "enum": ["json", "sr"],
 
 def _errors(*codes: int) -> dict[str, Any]:
     why = {400: "a bad option, field or body", 401: "a missing or wrong bearer token",
-           403: "reloading is not allowed", 404: "no such model", 413: "the upload, image or request is too large",
+           403: "reloading is not allowed", 404: "no such model",
+           409: "a reload while the service runs several workers (TAFL_WORKERS): restart it instead",
+           413: "the upload, image or request is too large",
            415: "not a DICOM, PNG or JPEG", 422: "an image that cannot be decoded",
            429: "too many requests in flight", 503: "the request took longer than its deadline"}
     return {str(c): {"description": why[c], "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
@@ -131,7 +133,11 @@ def spec(version: str) -> dict[str, Any]:
             "/models": {"get": {
                 "summary": "the loaded packages: metadata, card, providers, case-mix estimate",
                 "responses": {"200": {"description": "the models", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["models"], "properties": {"models": {"type": "array"}}}}}},
+                    "type": "object", "required": ["models"], "properties": {
+                        "models": {"type": "array"},
+                        "worker": {"type": "object", "description": "the worker process that answered (TAFL_WORKERS): "
+                                   "batch sizes and the case-mix window are its own",
+                                   "properties": {"workers": {"type": "integer"}, "pid": {"type": "integer"}}}}}}}},
                     **_errors(401)}}},
             "/admin/reload": {"post": {
                 "summary": "load a package (a BentoML tag or a folder under the package root) and make it answer",
@@ -139,7 +145,7 @@ def spec(version: str) -> dict[str, Any]:
                     "type": "object", "required": ["package"], "properties": {"package": {"type": "string"}}}}}},
                 "responses": {"200": {"description": "the new version answers", "content": {"application/json": {
                     "schema": {"type": "object", "required": ["model", "version"]}}}},
-                    **_errors(400, 401, 403, 404, 413, 429, 503)}}},
+                    **_errors(400, 401, 403, 404, 409, 413, 429, 503)}}},
             **oip_paths(),
         },
     }

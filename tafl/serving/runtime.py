@@ -154,6 +154,14 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def lane_threads(cores: int, lanes: int, workers: int = 1) -> int | None:
+    """ONNX Runtime's intra-op threads for one model call: with several calls at once on the machine (lanes in each of
+    the service's workers), the cores shared out among them, at least one each; with a single call, None (ONNX
+    Runtime's own choice, every core)."""
+    calls = max(1, lanes) * max(1, workers)
+    return max(1, cores // calls) if calls > 1 else None
+
+
 class Batcher:
     """Adaptive batching of one model's calls."""
 
@@ -234,9 +242,10 @@ class Batcher:
                 left = deadline - loop.time()
                 if left <= 0:
                     break
-                try:
-                    nxt = await asyncio.wait_for(self.queue.get(), left)
-                except asyncio.TimeoutError:
+                try:  # asyncio.timeout: no task per wait, unlike wait_for (a batch waits once per request)
+                    async with asyncio.timeout(left):
+                        nxt = await self.queue.get()
+                except TimeoutError:
                     break
             self._take(nxt)
             if rows + len(nxt[0]) > self.max_batch:  # no model call grows past max_batch
@@ -426,7 +435,7 @@ class ModelRegistry:
     def __init__(self, refs: list[str], *, providers: list[str] | None = None, threads: int | None = None,
                  max_batch: int = 64, max_wait_ms: float = 2.0, prior_window: int = 500, prior_refresh: int = 50,
                  prior_min_images: int = 100, trusted_keys: Any = None, lanes: int | None = None,
-                 site_mix: str | None = None):
+                 site_mix: str | None = None, workers: int = 1):
         from tafl.packaging.signing import load_trusted_keys, trusted_keys_from_env
 
         # read once: every load and reload verifies against the keys the service started with (None:
@@ -442,6 +451,7 @@ class ModelRegistry:
         self.providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
         self.threads, self.max_batch, self.max_wait_ms = threads, max_batch, max_wait_ms
         self.lanes = lanes  # model calls in flight per model (TAFL_MODEL_LANES); None: one
+        self.workers = max(1, workers)  # worker processes of the service, each with a registry like this one
         self.models: dict[str, LoadedModel] = {}
         self.order: list[str] = []
         self.lock = threading.Lock()
@@ -458,7 +468,7 @@ class ModelRegistry:
         # several lanes on the CPU: each gets cores // lanes threads (three of one thread served 1.16x the images of
         # one two-thread call on 2 cores, at about 130 MB more resident memory under the soak: docs/results.md §19.1)
         lanes = self.lanes or 1
-        threads = self.threads or (max(1, cpu_cores() // lanes) if lanes > 1 else None)
+        threads = self.threads or lane_threads(cpu_cores(), lanes, self.workers)
         session = pkg.session(self.providers, threads)  # from the verified bytes of model.onnx
         used = session.get_providers()
         log.info("loaded model package %s %s from %s (%s); ONNX Runtime providers in use: %s", pkg.name,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from tafl.errors import ConfigError
 from tafl.serving.decoding import default_processes
 from tafl.settings import env_float, env_int
 
@@ -28,6 +29,7 @@ class Settings:
     batch_wait_ms: float = 2.0
     ort_threads: int | None = None  # ONNX Runtime's threads per model call; None: its own, or cores // lanes
     model_lanes: int | None = None  # model calls in flight at once per model; None: one
+    workers: int = 1  # BentoML worker processes (TAFL_WORKERS), each with every package, its own event loop and GIL
     audit_path: str | None = None
     prior_window: int = 500  # calibrated probability vectors kept per model for the case-mix estimate
     prior_refresh: int = 50  # served images between two estimates
@@ -59,6 +61,7 @@ class Settings:
                    batch_wait_ms=env_float("TAFL_BATCH_WAIT_MS", 2.0, inclusive=True),
                    ort_threads=env_int("TAFL_ORT_THREADS", 0, minimum=0) or None,  # unset: ORT's own or cores//lanes
                    model_lanes=env_int("TAFL_MODEL_LANES", 0, minimum=0) or None,  # 0 or unset: one
+                   workers=service_workers(),
                    audit_path=env.get("TAFL_AUDIT_LOG") or None,
                    prior_window=env_int("TAFL_PRIOR_WINDOW", 500),
                    prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
@@ -66,7 +69,22 @@ class Settings:
                    site_mix=env.get("TAFL_SITE_MIX", "").strip() or None,
                    max_request_frames=env_int("TAFL_MAX_REQUEST_FRAMES", 256),
                    max_request_pixels=env_int("TAFL_MAX_REQUEST_PIXELS", 100_000_000),
-                   decode_processes=env_int("TAFL_DECODE_PROCESSES", default_processes(), minimum=0))
+                   # per worker: the default pool is shared out among the workers (at least one each)
+                   decode_processes=env_int("TAFL_DECODE_PROCESSES",
+                                            max(1, default_processes() // service_workers()), minimum=0))
+
+
+MAX_WORKERS = 64
+
+
+def service_workers() -> int:
+    """TAFL_WORKERS (default 1): the service's worker processes. Each loads every package and runs its own event loop
+    and batcher, so per-request Python work spreads over the cores instead of queueing on one interpreter lock
+    (docs/results.md §19.3); each also costs the packages' memory once more."""
+    n = env_int("TAFL_WORKERS", 1)
+    if n > MAX_WORKERS:
+        raise ConfigError(f"TAFL_WORKERS must be at most {MAX_WORKERS}, got {n}")
+    return n
 
 
 def max_concurrency() -> int:
