@@ -55,66 +55,6 @@ from tafl.serving.results import frame_result, overlay_frame
 log = logging.getLogger("tafl.dicom")
 
 SUCCESS, OUT_OF_RESOURCES, CANNOT_UNDERSTAND = 0x0000, 0xA700, 0xC000
-CLASSIFY_LATE = ("classifying the instance and building its structured report took too long: export it "
-                 "uncompressed, or as fewer or smaller frames, and resend it")
-CLASSIFY_CRASHED = ("the instance made its worker process fail: check that it is a complete, standard image object, "
-                    "export it again and resend it")
-
-
-@functools.lru_cache(maxsize=4)
-def package_model(package: str, threads: int | None) -> tuple[Any, Any, dicom_sr.Algorithm]:
-    """The package (verified as `load_package` does, TAFL_TRUSTED_KEYS included), an ONNX Runtime session for one image
-    at a time that does not spin between runs, and its SR algorithm record: loaded once in each process that
-    classifies. Spinning threads took 24 ms of CPU an instance on 2 cores, beside pydicom, pynetdicom and the SR
-    work (docs/results.md §17.4)."""
-    from tafl.packaging import load_package
-
-    pkg = load_package(package)
-    session = pkg.session(["CPUExecutionProvider"], threads, spin=False)
-    return pkg, session, dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
-
-
-def warm_model(package: str, threads: int | None) -> int:
-    """Load the model in this process now, so that the first instance does not pay for it."""
-    package_model(package, threads)
-    return os.getpid()
-
-
-def classify_instance(path: str, package: str, threads: int | None, heatmap: bool,
-                      limits: dict[str, int]) -> tuple[str, str, list[bytes], dict[str, Any] | None]:
-    """One spooled instance from its file to its SR, in a decoder process (tafl.imaging.pool): the header, the
-    pixels, the model and the SR (and the heatmap SC). Returns (what happened, the UID's hash for logs, the Part 10
-    files to deliver, the service's per-frame result); "skipped" for a non-image object, which has nothing to
-    decode. A TaflError (the service's 4xx) reaches the caller as it is.
-
-    One process call an instance, where the listener used to decode in one call, run the model itself and build the
-    SR in a second: the listener's process only receives, spools and delivers, and no header or frames are pickled
-    between processes (docs/results.md §17.5)."""
-    from pathlib import Path as _Path
-
-    from tafl.imaging.decode import decode_image
-
-    pkg, session, algo = package_model(package, threads)
-    data = _Path(path).read_bytes()
-    source = dicom_sr.read_header(data)
-    uid = dicom_sr.uid_hash(source.SOPInstanceUID)
-    try:
-        decoded = decode_image(data, **limits)
-    except TaflError:
-        # what the service classifies is classified (a segmentation with pixels too); a non-image object (SR,
-        # presentation state, RT plan, ...) that has nothing to decode is acknowledged and skipped
-        if str(source.get("SOPClassUID", "")).startswith(dicom_sr.NOT_IMAGES):
-            return "skipped", uid, [], None
-        raise
-    out = pkg.run(session, pkg.preprocess(decoded.frames))
-    result = frame_result(pkg, out, 0)
-    rgb = None
-    if heatmap:
-        from tafl.imaging.heatmap import overlay
-
-        rgb = overlay(overlay_frame(decoded.frames[0]), out["heatmap"][0])
-    finding = dicom_sr.Finding.from_result(result, algo.class_names, 1 if len(decoded.frames) > 1 else None)
-    return "classified", uid, dicom_sr.encoded(source, finding, algo, rgb), result
 
 
 @dataclass
@@ -256,8 +196,11 @@ class Listener:
         from tafl.serving.decoding import DecodePool
 
         self.settings = settings or Settings.from_env()
-        self.pkg = load_package(package)  # refused here, before anything starts; each classifying process loads it too
-        self.package_ref, self.threads = str(Path(package).resolve()), threads
+        self.pkg = load_package(package)
+        # one image per run, between pydicom, pynetdicom and the SR processes: ONNX Runtime's threads spinning after
+        # each run took 24 ms of CPU an instance on 2 cores, a third of the listener's (docs/results.md §17.4)
+        self.session = self.pkg.session(["CPUExecutionProvider"], threads, spin=False)
+        self.algo = dicom_sr.Algorithm.from_metadata(self.pkg.metadata, self.pkg.files.get("model.onnx", ""))
         self.destination, self.ae_title, self.host, self.port = destination, ae_title, host, port
         self.heatmap, self.max_queue, self.workers = heatmap, max(1, max_queue), max(1, workers)
         self.spool = Path(spool)
@@ -373,20 +316,43 @@ class Listener:
             loop.close()
 
     def _process(self, path: Path, loop: asyncio.AbstractEventLoop, deliverer: Deliverer) -> None:
+        from tafl.serving.decoding import decode_upload
+
         t0 = time.perf_counter()
-        # the whole instance in a decoder process: pydicom, the codecs, the model and highdicom would otherwise hold
-        # this process's GIL, which the SCP's threads need to receive the next instances
+        data = path.read_bytes()
         try:
-            kind, uid, parts, result = loop.run_until_complete(self.pool.call(
-                functools.partial(classify_instance, str(path), self.package_ref, self.threads, self.heatmap,
-                                  self.limits), late=CLASSIFY_LATE, crashed=CLASSIFY_CRASHED))
+            source = dicom_sr.read_header(data)
         except TaflError as exc:
-            return self._fail(path, _uid_of(path), exc)
-        if kind == "skipped":
-            log.info("instance %s: not an image object; acknowledged, not classified", uid)
-            self.stats["skipped"] += 1
-            path.unlink(missing_ok=True)
-            return None
+            return self._fail(path, "?", exc)
+        uid = dicom_sr.uid_hash(source.SOPInstanceUID)
+        try:
+            decoded = loop.run_until_complete(decode_upload(self.pool, data, **self.limits))
+        except TaflError as exc:
+            # what the service classifies is classified (a segmentation with pixels too); a non-image object
+            # (SR, presentation state, RT plan, ...) that has nothing to decode is acknowledged and skipped
+            if str(source.get("SOPClassUID", "")).startswith(dicom_sr.NOT_IMAGES):
+                log.info("instance %s: not an image object; acknowledged, not classified", uid)
+                self.stats["skipped"] += 1
+                path.unlink(missing_ok=True)
+                return None
+            return self._fail(path, uid, exc)
+        try:
+            out = self.pkg.run(self.session, self.pkg.preprocess(decoded.frames))
+            result = frame_result(self.pkg, out, 0)
+            rgb = None
+            if self.heatmap:
+                from tafl.imaging.heatmap import overlay
+
+                rgb = overlay(overlay_frame(decoded.frames[0]), out["heatmap"][0])
+            finding = dicom_sr.Finding.from_result(result, self.algo.class_names,
+                                                   1 if len(decoded.frames) > 1 else None)
+            # built in a decoder process: highdicom is pure Python that would hold this process's GIL, which the
+            # SCP's threads need to receive the next instances
+            parts = loop.run_until_complete(self.pool.call(
+                functools.partial(dicom_sr.encoded, source, finding, self.algo, rgb),
+                late=dicom_sr.BUILD_LATE, crashed=dicom_sr.BUILD_CRASHED))
+        except TaflError as exc:
+            return self._fail(path, uid, exc)
         self.stats["classified"] += 1
         t1 = time.perf_counter()
         while True:  # the spool file stays until the SR is delivered: a destination that is down is waited for
@@ -428,7 +394,6 @@ class Listener:
 
         self.pool.warm()
         self.pool.warm_with(dicom_sr.warm)
-        self.pool.warm_with(functools.partial(warm_model, self.package_ref, self.threads))
         self.recover()
         for _ in range(self.workers):
             t = threading.Thread(target=self._work, name="tafl-dicom-worker", daemon=True)
@@ -472,15 +437,6 @@ class Listener:
             t.join(timeout)
         self._threads.clear()
         self.pool.close()
-
-
-def _uid_of(path: Path) -> str:
-    """The SOP Instance UID's hash of a spooled file, for the log line of an instance that failed ("?" when even its
-    header cannot be read)."""
-    try:
-        return dicom_sr.uid_hash(dicom_sr.read_header(path.read_bytes()).SOPInstanceUID)
-    except (TaflError, OSError):
-        return "?"
 
 
 def storage_classes() -> list[str]:

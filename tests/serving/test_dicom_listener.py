@@ -184,11 +184,8 @@ def test_folder_destination_retired_classes_and_non_images(gtafl_pkg, tmp_path):
     refs = {pydicom.dcmread(f).CurrentRequestedProcedureEvidenceSequence[0].ReferencedSeriesSequence[0]
             .ReferencedSOPSequence[0].ReferencedSOPClassUID for f in files}
     assert len(files) == 2 and "1.2.840.10008.5.1.4.1.1.6" in refs
-    # the listener runs one image at a time beside other work: the session its processes classify with (loaded by
-    # this function in each) does not spin between runs
-    from tafl.serving.dicom_listener import package_model
-
-    opts = package_model(lst.package_ref, lst.threads)[1].get_session_options()
+    # the listener runs one image at a time beside other work: its ONNX Runtime threads do not spin between runs
+    opts = lst.session.get_session_options()
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
