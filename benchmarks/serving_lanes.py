@@ -8,9 +8,11 @@ script from a folder that holds no `tafl`, since `bentoml serve` puts its workin
 Each round starts `bentoml serve` once per variant (its TAFL_* environment, e.g. the model lanes and ONNX Runtime
 threads), drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (the §5 setup; 3 s warm-up, then
 `--seconds`), reads the mean batch size from /models, and measures the in-process ceiling (decode + preprocess +
-ONNX Runtime on two threads, batched by 32; benchmarks/serving_bench.py) right after, so every ratio has its own
-ceiling. Variants alternate within a round, which spreads the shared machine's drift over all of them; the median
-ratio per variant is the result. Writes benchmarks/results/serving_lanes_NAME.{json,md} (NAME: the package's name).
+ONNX Runtime on two threads, batched by 32; benchmarks/serving_bench.py) just before and just after, so every ratio
+has its own ceiling; a round whose two ceilings differ by more than 1.2x is left out of the per-round ratio (this
+machine's ceiling jumps between two states). Variants alternate within a round, which spreads the shared machine's
+drift over all of them; the median ratio per variant is the result. Writes
+benchmarks/results/serving_lanes_NAME.{json,md} (NAME: the package's name).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from serving_bench import images, in_process, wrk_load  # noqa: E402
 from tafl.packaging import load_package  # noqa: E402
 from tafl.serving.launch import ServerProcess  # noqa: E402
 
+STEADY = 1.2  # the in-process ceilings before and after a round agree within this factor
+
 VARIANTS = {
     "one call, ORT's own threads (the default)": {},
     "2 lanes": {"TAFL_MODEL_LANES": "2"},
@@ -44,6 +48,9 @@ def summarize(rows: dict[str, list[dict]], variants: dict[str, dict]) -> dict[st
     depend on the variant, and one slow ceiling on this shared machine would otherwise make one ratio), and its
     median throughput ratio to the first variant in the same round (the machine's drift cancels)."""
     ceiling = statistics.median(x["ceiling_img_s"] for v in rows.values() for x in v)
+    # per round, against the ceiling measured just before and after it, where those two agree: this machine's ceiling
+    # has two states about 1.7x apart (docs/results.md §19.3), and a round across a change says nothing
+    steady = {name: [x["ratio"] for x in v if x.get("steady", True)] for name, v in rows.items()}
     first = next(iter(rows.values()))
     out = {}
     for name, v in rows.items():
@@ -51,7 +58,9 @@ def summarize(rows: dict[str, list[dict]], variants: dict[str, dict]) -> dict[st
         out[name] = {"median_img_s": img_s, "median_ceiling_img_s": ceiling, "ratio": img_s / ceiling,
                      "core_ms_beyond_model": 2000 * (1 / img_s - 1 / ceiling),
                      "vs_first_same_round": statistics.median(x["img_s"] / f["img_s"] for x, f in zip(v, first)),
-                     "median_p99_ms": statistics.median(x["p99_ms"] for x in v), "env": variants[name]}
+                     "median_p99_ms": statistics.median(x["p99_ms"] for x in v), "env": variants[name],
+                     "steady_rounds": len(steady[name]),
+                     "ratio_steady_rounds": statistics.median(steady[name]) if steady[name] else None}
     return out
 
 
@@ -79,6 +88,7 @@ def main() -> int:
     rows: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(ns.rounds):
         for name, env in variants.items():
+            before = in_process(pkg, data)["throughput_img_s"]
             with ServerProcess([str(pkg)], env=dict(env, BENTOML_DO_NOT_TRACK="True"),
                                log_path=logs / "serving_lanes.log") as srv:
                 wrk_load(srv.url, data[0], 32, seconds=3)
@@ -86,14 +96,18 @@ def main() -> int:
                 sizes = httpx.get(srv.url + "/models").json()["models"][0]["recent_batch_sizes"]
             if not w:
                 sys.exit("wrk is not installed (apt-get install wrk)")
-            ceiling = in_process(pkg, data)["throughput_img_s"]
+            after = in_process(pkg, data)["throughput_img_s"]
+            ceiling = (before + after) / 2
             row = {"round": r, "img_s": w["throughput_img_s"], "p50_ms": w["p50_ms"], "p99_ms": w["p99_ms"],
                    "errors": w["errors"], "ceiling_img_s": ceiling, "ratio": w["throughput_img_s"] / ceiling,
+                   "ceiling_before": before, "ceiling_after": after,
+                   "steady": max(before, after) <= STEADY * min(before, after),
                    "mean_batch": sizes["mean"],
                    "core_ms_beyond_model": 2000 * (1 / w["throughput_img_s"] - 1 / ceiling)}
             rows[name].append(row)
-            print(f"round {r} {name}: {row['img_s']:.0f} img/s, ceiling {ceiling:.0f}, ratio {row['ratio']:.2f}, "
-                  f"mean batch {row['mean_batch']:.1f}", flush=True)
+            moved = "" if row["steady"] else " (ceiling moved)"
+            print(f"round {r} {name}: {row['img_s']:.0f} img/s, ceiling {before:.0f} / {after:.0f}, ratio "
+                  f"{row['ratio']:.2f}{moved}, mean batch {row['mean_batch']:.1f}", flush=True)
     return report(ns, rows, variants, meta, time.strftime("%Y-%m-%d"))
 
 
@@ -108,16 +122,20 @@ def report(ns: argparse.Namespace, rows: dict[str, list[dict]], variants: dict[s
     stem = f"serving_lanes_{ns.name or meta['name']}"
     (res / f"{stem}.json").write_text(json.dumps(out, indent=2))
     lines = [f"# Model lanes: {out['package']} ({meta['method']}, {meta.get('backbone')}), {date}", "",
-             f"wrk at concurrency 32 for {ns.seconds} s per variant and round, {ns.rounds} rounds, the variants in turn "
-             "within each round. Ratio: the variant's median images/s over the median of all rounds' in-process "
-             f"ceilings ({next(iter(summary.values()))['median_ceiling_img_s']:.0f} img/s). Against the first: "
-             "median over rounds of images/s divided by the first variant's in the same round.", "",
-             "| variant | img/s | ratio to in-process | core-ms beyond the model | against the first | p99 ms | "
-             "img/s per round |", "|---|---|---|---|---|---|---|"]
+             f"wrk at concurrency 32 for {ns.seconds} s per variant and round, {ns.rounds} rounds, the variants in "
+             "turn within each round. Ratio: the variant's median images/s over the median of all rounds' in-process "
+             f"ceilings ({next(iter(summary.values()))['median_ceiling_img_s']:.0f} img/s). Per round, steady "
+             f"ceiling: the median of each round's images/s over the mean of the ceilings measured just before and "
+             f"after it, over the rounds where those two agree within {STEADY}x. Against the first: median over "
+             "rounds of images/s divided by the first variant's in the same round.", "",
+             "| variant | img/s | ratio to in-process | per round, steady ceiling (rounds) | "
+             "core-ms beyond the model | against the first | p99 ms | img/s per round |", "|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         per = ", ".join(f"{x['img_s']:.0f}" for x in rows[name])
-        lines.append(f"| {name} | {s['median_img_s']:.0f} | **{s['ratio']:.2f}** | {s['core_ms_beyond_model']:.2f} | "
-                     f"{s['vs_first_same_round']:.2f}× | {s['median_p99_ms']:.0f} | {per} |")
+        st = "–" if s["ratio_steady_rounds"] is None else f"{s['ratio_steady_rounds']:.2f} ({s['steady_rounds']})"
+        lines.append(f"| {name} | {s['median_img_s']:.0f} | **{s['ratio']:.2f}** | {st} | "
+                     f"{s['core_ms_beyond_model']:.2f} | {s['vs_first_same_round']:.2f}× | {s['median_p99_ms']:.0f} | "
+                     f"{per} |")
     (res / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
