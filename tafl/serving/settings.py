@@ -49,6 +49,7 @@ class Settings:
         # the bento's envs outside a container)
         refs = [r.strip() for r in env.get("TAFL_PACKAGES", DEFAULT_PACKAGE).split(",") if r.strip()]
         token = env.get("TAFL_API_TOKEN") or None
+        workers = service_workers()
         # the admin token never falls back to the API token: a client that may predict may not swap the model
         return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or None,
                    package_root=env.get("TAFL_PACKAGE_ROOT", "").strip() or None,
@@ -61,7 +62,7 @@ class Settings:
                    batch_wait_ms=env_float("TAFL_BATCH_WAIT_MS", 2.0, inclusive=True),
                    ort_threads=env_int("TAFL_ORT_THREADS", 0, minimum=0) or None,  # unset: ORT's own or cores//lanes
                    model_lanes=env_int("TAFL_MODEL_LANES", 0, minimum=0) or None,  # 0 or unset: one
-                   workers=service_workers(),
+                   workers=workers,
                    audit_path=env.get("TAFL_AUDIT_LOG") or None,
                    prior_window=env_int("TAFL_PRIOR_WINDOW", 500),
                    prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
@@ -71,7 +72,7 @@ class Settings:
                    max_request_pixels=env_int("TAFL_MAX_REQUEST_PIXELS", 100_000_000),
                    # per worker: the default pool is shared out among the workers (at least one each)
                    decode_processes=env_int("TAFL_DECODE_PROCESSES",
-                                            max(1, default_processes() // service_workers()), minimum=0))
+                                            max(1, default_processes() // workers), minimum=0))
 
 
 MAX_WORKERS = 64
