@@ -33,6 +33,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -132,7 +133,8 @@ class Pacs:
             raise ConfigError(f"--dicomweb {url!r}: give the server's DICOMweb base URL, e.g. "
                               "http://pacs:8042/dicom-web")
         self.url, self.retries, self.backoff = url.rstrip("/"), retries, backoff
-        self.client = DICOMwebClient(self.url, session=session_from_env(), timeout=timeout)
+        self.session, self.timeout = session_from_env(), timeout
+        self.client = DICOMwebClient(self.url, session=self.session, timeout=timeout)  # QIDO-RS
         self.client.set_http_retry_params(retry=False)  # ours below also covers refused connections
 
     def call(self, what: str, fn: Callable[[], Any], retries: int | None = None) -> Any:
@@ -160,9 +162,10 @@ class Pacs:
                               f"({last})")
 
     # ------------------------------------------------------------------ QIDO, WADO, STOW
-    def find(self, studies: list[str], since: str | None, modality: str | None) -> tuple[list[InstanceRef],
-                                                                                        list[InstanceRef]]:
-        """(image instances, non-image instances), each sorted, for the studies given or matching the filters."""
+    def find(self, studies: list[str], since: str | None, modality: str | None,
+             workers: int = 1) -> tuple[list[InstanceRef], list[InstanceRef]]:
+        """(image instances, non-image instances), each sorted, for the studies given or matching the filters; the
+        studies' instances asked for `workers` at a time (one QIDO-RS a study)."""
         if not studies:
             filters: dict[str, Any] = {}
             if since:
@@ -176,10 +179,15 @@ class Pacs:
             self.call("QIDO-RS (studies)", lambda: self.client.search_for_studies(limit=1),
                       retries=min(self.retries, 2))  # the server answers at all: fail fast if not
         images, others = [], []
-        for study in studies:
-            recs = self.pages("QIDO-RS (instances)", lambda s=study, **kw: self.client.search_for_instances(
-                study_instance_uid=s, fields=["00080060", "00080070", "00280008", "00280010", "00280011"], **kw),
+
+        def instances_of(study: str) -> list[dict[str, Any]]:
+            return self.pages("QIDO-RS (instances)", lambda **kw: self.client.search_for_instances(
+                study_instance_uid=study, fields=["00080060", "00080070", "00280008", "00280010", "00280011"], **kw),
                 "00080018")
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(studies)))) as pool:
+            found_per_study = list(pool.map(instances_of, studies))
+        for study, recs in zip(studies, found_per_study):
             for r in recs:
                 ref = InstanceRef(study, _value(r, "0020000E"), _value(r, "00080018"), _value(r, "00080016"),
                                   _value(r, "00080060"), _int(_value(r, "00280010")), _int(_value(r, "00280011")),
@@ -205,16 +213,99 @@ class Pacs:
                 return list(out.values())
             offset += len(got)
 
-    def fetch(self, ref: InstanceRef):
-        """The instance as stored (any transfer syntax: no transcoding by the server)."""
-        return self.call("WADO-RS", lambda: self.client.retrieve_instance(
-            ref.study, ref.series, ref.sop, media_types=(("application/dicom", "*"),)))
+    def fetch(self, ref: InstanceRef) -> bytes:
+        """The instance's Part 10 bytes as stored (any transfer syntax: no transcoding by the server). The bytes, not
+        a dataset: dicomweb-client's `retrieve_instance` parses each answer into a pydicom dataset, which the job
+        would only write back to its spool (results.md §17.6: 1.5 ms of CPU an instance, for nothing)."""
+        url = f"{self.url}/studies/{ref.study}/series/{ref.series}/instances/{ref.sop}"
 
-    def store(self, datasets: list[Any]) -> set[str]:
-        """STOW-RS; the SOP Instance UIDs the server refused in its answer (raises PacsRefused on a 4xx)."""
-        answer = self.call("STOW-RS", lambda: self.client.store_instances(datasets))
-        failed = getattr(answer, "FailedSOPSequence", None) or []
-        return {str(item.get("ReferencedSOPInstanceUID", "")) for item in failed}
+        def get() -> bytes:
+            answer = self.session.get(url, headers={"Accept": WADO_ACCEPT}, timeout=self.timeout)
+            answer.raise_for_status()
+            parts = multipart_parts(answer.headers.get("Content-Type", ""), answer.content)
+            if len(parts) != 1:
+                raise PacsRefused(f"WADO-RS answered {len(parts)} parts for one instance", 502)
+            return parts[0]
+
+        return self.call("WADO-RS", get)
+
+    def store(self, parts: list[bytes]) -> set[str]:
+        """STOW-RS of Part 10 files as they were written (one multipart/related request); the SOP Instance UIDs the
+        server refused in its answer (raises PacsRefused on a 4xx). Bytes again, where dicomweb-client's
+        `store_instances` takes datasets and encodes each anew."""
+        content_type, body = multipart_body(parts)
+        headers = {"Content-Type": content_type, "Accept": "application/dicom+json, application/json"}
+
+        def post():
+            answer = self.session.post(f"{self.url}/studies", data=body, headers=headers, timeout=self.timeout)
+            answer.raise_for_status()
+            return answer
+
+        return refused_in(self.call("STOW-RS", post))
+
+
+WADO_ACCEPT = 'multipart/related; type="application/dicom"; transfer-syntax=*'
+
+
+def multipart_body(parts: list[bytes]) -> tuple[str, bytes]:
+    """(Content-Type, body) of a multipart/related request of DICOM files (RFC 2387, as STOW-RS takes it)."""
+    boundary = uuid.uuid4().hex
+    while any(boundary.encode() in p for p in parts):  # a random 128-bit boundary inside a file: never, but it is
+        boundary = uuid.uuid4().hex                  # cheap to be sure
+    sep = b"--" + boundary.encode()
+    body = b"".join(sep + b"\r\nContent-Type: application/dicom\r\n\r\n" + p + b"\r\n" for p in parts)
+    return f'multipart/related; type="application/dicom"; boundary={boundary}', body + sep + b"--\r\n"
+
+
+def multipart_parts(content_type: str, body: bytes) -> list[bytes]:
+    """The bodies of a multipart/related answer (RFC 2387), in order; the whole body when the server answered a
+    single part without multipart (some do for one instance)."""
+    media, _, params = content_type.partition(";")
+    if media.strip().lower() != "multipart/related":
+        return [body]
+    boundary = None
+    for item in params.split(";"):
+        key, _, value = item.partition("=")
+        if key.strip().lower() == "boundary":
+            boundary = value.strip().strip('"').encode()
+    if not boundary:
+        return [body]
+    parts = []
+    for piece in (b"\r\n" + body).split(b"\r\n--" + boundary)[1:]:  # [0]: the preamble
+        if piece.startswith(b"--"):
+            break  # the close delimiter; what follows is the epilogue
+        line_end = piece.find(b"\r\n")  # the rest of the delimiter's line (transport padding)
+        if line_end < 0:
+            continue
+        piece = piece[line_end + 2:]
+        if piece.startswith(b"\r\n"):  # a part without headers
+            parts.append(piece[2:])
+            continue
+        head_end = piece.find(b"\r\n\r\n")
+        if head_end >= 0:  # else no blank line after the part's headers: not a part
+            parts.append(piece[head_end + 4:])
+    return parts
+
+
+def refused_in(answer) -> set[str]:
+    """The SOP Instance UIDs of a STOW-RS answer's Failed SOP Sequence (DICOM JSON, or the XML of PS3.19)."""
+    if not answer.content:
+        return set()
+    kind = answer.headers.get("Content-Type", "").lower()
+    if "xml" in kind:
+        from xml.etree import ElementTree
+
+        root = ElementTree.fromstring(answer.content)
+        return {v.text or "" for seq in root.iter() if seq.get("tag") == "00081198"
+                for attr in seq.iter() if attr.get("tag") == "00081155" for v in attr.iter() if v.tag.endswith("Value")}
+    try:
+        record = answer.json()
+    except ValueError:
+        return set()  # an answer we cannot read says nothing was refused; the 2xx said it was stored
+    if isinstance(record, list):
+        record = record[0] if record else {}
+    failed = ((record or {}).get("00081198") or {}).get("Value") or []
+    return {_value(item, "00081155") for item in failed if isinstance(item, dict)}
 
 
 def _since(value: str | None) -> str | None:
@@ -226,12 +317,15 @@ def _since(value: str | None) -> str | None:
         raise ConfigError(f"--since {value!r}: write the date as YYYY-MM-DD") from None
 
 
-def _part10(ds) -> bytes:
+def _header(data: bytes):
+    """The instance's data set up to its pixels' values (deferred): enough to tell an image from a non-image."""
     import pydicom
 
-    buf = io.BytesIO()
-    pydicom.dcmwrite(buf, ds, enforce_file_format=False)
-    return buf.getvalue()
+    from tafl.imaging.decode import is_dicom
+
+    if not is_dicom(data):
+        raise ValueError("no DICM marker, and it does not start as a data set does")
+    return pydicom.dcmread(io.BytesIO(data), defer_size=1024, force=data[128:132] != b"DICM")
 
 
 # ------------------------------------------------------------------ the job
@@ -271,7 +365,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
 
         adaptive_blocked(None)  # a bad TAFL_PRIOR_ADAPTIVE fails here, before anything is fetched (as for a folder)
     pacs = Pacs(dicomweb, retries=retries, backoff=backoff)
-    images, others = pacs.find(studies, _since(since), modality.upper() if modality else None)
+    images, others = pacs.find(studies, _since(since), modality.upper() if modality else None, concurrency)
     if not images:
         raise DataError(f"{dicomweb} holds no image instance for this query ({len(others)} non-image instance(s))")
     scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
@@ -304,13 +398,18 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
             if too_big:
                 return ref, None, "error:" + too_big
             try:
-                ds = pacs.fetch(ref)
+                data = pacs.fetch(ref)
             except PacsRefused as exc:
                 return ref, None, f"error:WADO-RS {exc.message}"
+            try:
+                ds = _header(data)
+            except Exception as exc:  # pydicom raises many kinds on a damaged file
+                return ref, None, (f"error:422 UnprocessableImage: the WADO-RS answer is not a DICOM instance "
+                                   f"({type(exc).__name__}: {str(exc)[:120]})")
             if not dicom_sr.is_image_object(ds) or str(ds.get("Manufacturer", "")) == dicom_sr.MANUFACTURER:
                 return ref, None, "skip"  # no pixels, or a heatmap tafl filed itself
             path = Path(spool.name) / f"{ref.sop}.dcm"
-            path.write_bytes(_part10(ds))
+            path.write_bytes(data)
             return ref, path, ""
         return list(fetchers.map(one, chunk))
 
@@ -323,25 +422,24 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
         """STOW the batch's SRs (one request), then mark what was refused; the rows, in order."""
         if writer is None:
             return [r for r, _ in rows]
-        import pydicom
-
         making = make_srs(rows) if making is None else making
-        objects: dict[int, list[Any]] = {}
+        objects: dict[int, list[bytes]] = {}
         for i, made in making.items():
             try:
-                objects[i] = [pydicom.dcmread(io.BytesIO(b)) for b in made.result()]
+                objects[i] = made.result()
             except TaflError as exc:
                 rows[i][0].error = f"SR not made: {exc.message}"
         if objects:
+            uids = {i: [dicom_sr.sop_instance_uid(b) for b in parts] for i, parts in objects.items()}
             try:
-                refused = pacs.store([d for ds in objects.values() for d in ds])
+                refused = pacs.store([b for parts in objects.values() for b in parts])
                 why = "refused in the STOW-RS answer"
             except PacsRefused as exc:
-                refused = {str(d.SOPInstanceUID) for ds in objects.values() for d in ds}
+                refused = {u for us in uids.values() for u in us}
                 why = exc.message
-            for i, ds in objects.items():
+            for i in objects:
                 row = rows[i][0]
-                if any(str(d.SOPInstanceUID) in refused for d in ds):
+                if any(u in refused for u in uids[i]):
                     row.error = f"SR not stored: {why}"
                     state["refused"] += 1
                 else:

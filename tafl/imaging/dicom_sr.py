@@ -311,6 +311,17 @@ def warm() -> int:
     return os.getpid()
 
 
+def sop_instance_uid(data: bytes) -> str:
+    """A DICOM file's SOP Instance UID, read no further than that element (what is filed needs naming in a STOW-RS
+    answer's Failed SOP Sequence without parsing the whole report again)."""
+    from pydicom.filereader import read_partial
+    from pydicom.tag import Tag
+
+    after = Tag(0x0008, 0x0018)
+    ds = read_partial(io.BytesIO(data), stop_when=lambda tag, vr, length: tag > after)
+    return str(ds.get("SOPInstanceUID", ""))
+
+
 def to_bytes(ds) -> bytes:
     """A Part 10 file of `ds` (preamble, file meta, explicit VR little endian)."""
     buf = io.BytesIO()
