@@ -202,8 +202,10 @@ def listener(pkg: str, sent, work: Path, kill: bool) -> dict:
             if res["job_after_kill"] == "Failure":
                 pacs.post(f"/jobs/{job}/resubmit", {})
         deadline = time.perf_counter() + 900
-        while n_srs() < len(sent) and time.perf_counter() < deadline:
-            time.sleep(0.3)
+        while (left := len(sent) - n_srs()) > 0 and time.perf_counter() < deadline:
+            # coarse while far from done (polling takes CPU from what is measured), fine near the end: a 0.3 s
+            # poll overstated a 4 s run by 0.15 s on average, 4 % of the ratio
+            time.sleep(0.3 if left > len(sent) // 10 else 0.02)
         res["wall_s"] = time.perf_counter() - t0
         res["images_per_s"] = len(sent) / res["wall_s"]
         time.sleep(2)  # a late duplicate would show now
