@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime as dt
+import hashlib
 import io
 import logging
 import os
@@ -37,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import quote
 
 from tafl.errors import ConfigError, DataError, TaflError
 from tafl.imaging import dicom_sr
@@ -217,14 +219,15 @@ class Pacs:
         """The instance's Part 10 bytes as stored (any transfer syntax: no transcoding by the server). The bytes, not
         a dataset: dicomweb-client's `retrieve_instance` parses each answer into a pydicom dataset, which the job
         would only write back to its spool (results.md §17.6: 1.5 ms of CPU an instance, for nothing)."""
-        url = f"{self.url}/studies/{ref.study}/series/{ref.series}/instances/{ref.sop}"
+        study, series, sop = (quote(u, safe="") for u in (ref.study, ref.series, ref.sop))  # UIDs from the server
+        url = f"{self.url}/studies/{study}/series/{series}/instances/{sop}"
 
         def get() -> bytes:
             answer = self.session.get(url, headers={"Accept": WADO_ACCEPT}, timeout=self.timeout)
             answer.raise_for_status()
             parts = multipart_parts(answer.headers.get("Content-Type", ""), answer.content)
             if len(parts) != 1:
-                raise PacsRefused(f"WADO-RS answered {len(parts)} parts for one instance", 502)
+                raise PacsRefused(f"answered {len(parts)} parts for one instance", 502)
             return parts[0]
 
         return self.call("WADO-RS", get)
@@ -295,7 +298,10 @@ def refused_in(answer) -> set[str]:
     if "xml" in kind:
         from xml.etree import ElementTree
 
-        root = ElementTree.fromstring(answer.content)
+        try:
+            root = ElementTree.fromstring(answer.content)
+        except ElementTree.ParseError:
+            return set()  # as for JSON below
         return {v.text or "" for seq in root.iter() if seq.get("tag") == "00081198"
                 for attr in seq.iter() if attr.get("tag") == "00081155" for v in attr.iter() if v.tag.endswith("Value")}
     try:
@@ -408,7 +414,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                                    f"({type(exc).__name__}: {str(exc)[:120]})")
             if not dicom_sr.is_image_object(ds) or str(ds.get("Manufacturer", "")) == dicom_sr.MANUFACTURER:
                 return ref, None, "skip"  # no pixels, or a heatmap tafl filed itself
-            path = Path(spool.name) / f"{ref.sop}.dcm"
+            path = Path(spool.name) / f"{hashlib.sha256(ref.key.encode()).hexdigest()}.dcm"  # not the UID: a path
             path.write_bytes(data)
             return ref, path, ""
         return list(fetchers.map(one, chunk))

@@ -93,6 +93,7 @@ def test_the_refusals_of_a_stow_answer_are_read_in_json_and_xml():
     stored = {"00081199": failed["00081199"]}
     assert refused_in(_answer("application/dicom+json", json.dumps(stored).encode())) == set()
     assert refused_in(_answer("application/dicom+json", b"")) == set()
+    assert refused_in(_answer("application/dicom+xml", b"<NativeDicomModel><DicomAttr")) == set()  # unreadable
 
 
 def test_an_srs_uid_is_read_from_its_first_elements():
@@ -102,7 +103,8 @@ def test_an_srs_uid_is_read_from_its_first_elements():
 
 
 class _OddPacs(BaseHTTPRequestHandler):
-    """QIDO finds two instances; WADO-RS answers one with a proxy's error page in the part, the other with two parts."""
+    """QIDO finds three instances, the third with a UID that is a path; WADO-RS answers with a proxy's error page in
+    the part, or with two parts for the second."""
 
     study, series = "1.2.826.0.1.3680043.8.498.1", "1.2.826.0.1.3680043.8.498.2"
 
@@ -117,6 +119,7 @@ class _OddPacs(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
+        self.server.paths.append(self.path)
         if "/instances/" in self.path:
             page = b"<html><body>502 Bad Gateway: the archive did not answer the proxy</body></html>"
             ct, body = multipart_body([page] * (2 if self.path.endswith(".2") else 1))
@@ -124,7 +127,7 @@ class _OddPacs(BaseHTTPRequestHandler):
         if self.path.split("?")[0].endswith("/instances"):
             recs = [{"0020000E": {"vr": "UI", "Value": [self.series]},
                      "00080018": {"vr": "UI", "Value": [f"{self.series}.{i}"]},
-                     "00080016": {"vr": "UI", "Value": ["1.2.840.10008.5.1.4.1.1.7"]}} for i in (1, 2)]
+                     "00080016": {"vr": "UI", "Value": ["1.2.840.10008.5.1.4.1.1.7"]}} for i in (1, 2, "3/../../evil")]
             return self._send(200, "application/dicom+json", json.dumps(recs).encode())
         return self._send(200, "application/dicom+json", b"[]")
 
@@ -132,16 +135,21 @@ class _OddPacs(BaseHTTPRequestHandler):
 @pytest.fixture
 def odd_pacs():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _OddPacs)
+    server.paths = []  # what was asked for
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/dicom-web"
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/dicom-web"
+    yield server
     server.shutdown()
 
 
 def test_a_wado_answer_that_is_not_one_dicom_instance_is_a_row_with_its_reason(odd_pacs, gtafl_pkg, tmp_path):
-    summary = score_dicomweb(odd_pacs, tmp_path / "r.csv", package=str(gtafl_pkg), studies=[_OddPacs.study],
+    summary = score_dicomweb(odd_pacs.url, tmp_path / "r.csv", package=str(gtafl_pkg), studies=[_OddPacs.study],
                              progress=False, retries=0)
     reasons = dict(summary["failed"])
     key = f"{_OddPacs.study}/{_OddPacs.series}/{_OddPacs.series}"
     assert reasons[key + ".1"].startswith("422 UnprocessableImage: the WADO-RS answer is not a DICOM instance")
     assert "2 parts for one instance" in reasons[key + ".2"]
-    assert summary["predicted"] == 0 and len(summary["failed"]) == 2
+    assert summary["predicted"] == 0 and len(summary["failed"]) == 3
+    assert "422" in reasons[key + ".3/../../evil"]  # asked for with the UID quoted, and spooled under a hash
+    assert any(p.endswith("/instances/" + _OddPacs.series + ".3%2F..%2F..%2Fevil") for p in odd_pacs.paths)
+    assert not list(tmp_path.rglob("evil*")) and not list(tmp_path.parent.rglob("evil*"))
