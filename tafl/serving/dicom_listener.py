@@ -195,7 +195,7 @@ class Listener:
         from tafl.serving.settings import Settings
         from tafl.serving.decoding import DecodePool
 
-        self.settings = settings or Settings.from_env()
+        self.settings = settings or Settings.from_env(workers=1)  # TAFL_WORKERS is the service's, not ours
         self.pkg = load_package(package)
         # one image per run, between pydicom, pynetdicom and the SR processes: ONNX Runtime's threads spinning after
         # each run took 24 ms of CPU an instance on 2 cores, a third of the listener's (docs/results.md §17.4)

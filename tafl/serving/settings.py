@@ -40,16 +40,17 @@ class Settings:
     decode_processes: int = field(default_factory=default_processes)  # DICOM decoder processes; 0: threads
 
     @classmethod
-    def from_env(cls) -> Settings:
+    def from_env(cls, workers: int | None = None) -> Settings:
         """The settings in the TAFL_* environment variables; a bad number is a ConfigError naming its variable
-        (tafl.settings)."""
+        (tafl.settings). `workers`: the process's own count where TAFL_WORKERS (the service's) does not apply, as
+        for the DICOM listener, which is one process whatever the service runs."""
         env = os.environ
         # commas only: a BentoML tag `name:version` contains os.pathsep on POSIX. Unset, the service
         # serves the store model bentofile.yaml bundles (`bentoml serve tafl:latest` does not apply
         # the bento's envs outside a container)
         refs = [r.strip() for r in env.get("TAFL_PACKAGES", DEFAULT_PACKAGE).split(",") if r.strip()]
         token = env.get("TAFL_API_TOKEN") or None
-        workers = service_workers()
+        workers = service_workers() if workers is None else workers
         # the admin token never falls back to the API token: a client that may predict may not swap the model
         return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or None,
                    package_root=env.get("TAFL_PACKAGE_ROOT", "").strip() or None,

@@ -40,6 +40,24 @@ def test_workers_setting_is_checked_and_shares_out_the_decoder_processes(monkeyp
             service_workers()
 
 
+def test_the_dicom_listener_keeps_its_decoder_processes_whatever_the_service_runs(gtafl_pkg, tmp_path,
+                                                                                   monkeypatch):
+    """TAFL_WORKERS shares the decoder processes out among the service's workers; the listener is one process, so
+    the setting (even a bad one) must not halve its pool when both read one environment."""
+    from tafl.serving.dicom_listener import Destination, Listener
+    from tafl.serving.settings import default_processes
+
+    monkeypatch.delenv("TAFL_DECODE_PROCESSES", raising=False)
+    for value in ("2", "junk"):
+        monkeypatch.setenv("TAFL_WORKERS", value)
+        lst = Listener(gtafl_pkg, Destination(ae_title="DEST", host="127.0.0.1", port=9), spool=tmp_path / value)
+        assert lst.pool.processes == default_processes() and lst.settings.workers == 1
+        lst.pool.close()
+    monkeypatch.setenv("TAFL_DECODE_PROCESSES", "1")  # an explicit count still decides
+    assert Listener(gtafl_pkg, Destination(ae_title="DEST", host="127.0.0.1", port=9),
+                    spool=tmp_path / "one").pool.processes == 1
+
+
 def _worker_pids(srv) -> set[int]:
     tree = psutil.Process(srv.proc.pid).children(recursive=True)
     out = set()
