@@ -690,7 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Modules of the training stack (the `train` extra): a verb that needs one, run on a deployment install, says so.
 TRAINING_STACK = ("torch", "torchvision", "timm", "medmnist", "matplotlib", "sklearn", "onnx", "onnxscript")
 # Libraries whose INFO lines (one per HTTP request, ...) are noise to a user: shown with -v only.
-CHATTY_LOGGERS = ("httpx", "httpcore", "urllib3", "PIL", "matplotlib", "filelock", "asyncio", "bentoml")
+CHATTY_LOGGERS = ("httpx", "httpcore", "urllib3", "PIL", "matplotlib", "filelock", "asyncio", "bentoml",
+                  "dicomweb_client", "highdicom")
 
 
 def _verb_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:

@@ -16,9 +16,17 @@ Failures: a PACS that does not answer at the start stops the job with a clear me
 a PACS gone mid-run (no answer, 5xx, 429) is retried with exponential backoff, then the job stops, resumable; a
 STOW-RS refused (4xx, or instances in the answer's Failed SOP Sequence) marks those rows (`error: SR not stored:
 ...`) and the job goes on; non-image instances (SR, presentation states, key objects, ...: by SOP class in the
-QIDO answer, or no pixel data once fetched) and tafl's own heatmap captures are skipped and counted; an instance the decoder refuses (over the
-service's size limits, corrupt) gets a row with its 4xx reason; one whose geometry in the QIDO answer is over the
-decoder's limits is not fetched at all (in-process; through --url the service's own limits decide).
+QIDO answer, or no pixel data once fetched) and tafl's own SRs and heatmap captures are skipped, counted and named
+in the summary (by SOP class: "not an image instance (Comprehensive SR Storage, 1.2.840.10008.5.1.4.1.1.88.33)");
+an instance the decoder refuses (over the service's size limits, corrupt) gets a row with its 4xx reason; one whose
+geometry in the QIDO answer is over the decoder's limits is not fetched at all (in-process; through --url the
+service's own limits decide).
+
+--since asks QIDO for a StudyDate range, which no study without a StudyDate matches (DICOM range matching; an empty
+key would match every study, not the empty ones). So the job asks once more without the date (the same --modality;
+study level: no instance is listed), and the summary says how many studies have no StudyDate and names them for
+`--study UID`. That query stops after UNDATED_SCAN studies (20 QIDO pages) and then says "at least": an archive of
+millions is not paged through to count its undated studies.
 
 Authentication never goes on the command line: TAFL_DICOMWEB_TOKEN (a bearer token) or TAFL_DICOMWEB_USER and
 TAFL_DICOMWEB_PASSWORD (basic auth), from the environment.
@@ -35,7 +43,7 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import quote
@@ -47,6 +55,7 @@ log = logging.getLogger(__name__)
 
 ENV_TOKEN, ENV_USER, ENV_PASSWORD = "TAFL_DICOMWEB_TOKEN", "TAFL_DICOMWEB_USER", "TAFL_DICOMWEB_PASSWORD"
 RETRIABLE = {408, 425, 429, 500, 502, 503, 504}
+UNDATED_SCAN = 10_000  # studies listed, at most, to count those without a StudyDate (--since): 20 QIDO pages
 
 
 class PacsUnavailable(TaflError):
@@ -75,6 +84,7 @@ class InstanceRef:
     rows: int = 0  # as QIDO declares them (0: not given); checked against the decoder's limits before a fetch
     columns: int = 0
     frames: int = 1
+    ours: bool = False  # made by tafl (Manufacturer): its own SR or heatmap capture, never scored
 
     @property
     def key(self) -> str:
@@ -105,6 +115,26 @@ def oversized(ref: InstanceRef) -> str | None:
         return (f"413 PayloadTooLarge: the instance declares {ref.frames} frame(s) of {ref.columns}×{ref.rows} "
                 f"pixels, over the {DEFAULT_MAX_PIXELS:,}-pixel limit (not fetched)")
     return None
+
+
+def sop_class_named(uid: str) -> str:
+    """"Comprehensive SR Storage, 1.2.840.10008.5.1.4.1.1.88.33": the SOP class's name (pydicom's UID dictionary)
+    and UID, the UID alone where the dictionary has no name for it."""
+    if not uid:
+        return "no SOP Class UID given"
+    from pydicom.uid import UID
+
+    name = UID(uid).name
+    return f"{name}, {uid}" if name and name != uid else uid
+
+
+def skip_reason(ref: InstanceRef, sop_class: str | None = None, *, no_pixels: bool = False) -> str:
+    """Why an instance was not scored, for the summary: what it is, by SOP class (`sop_class`: the fetched
+    instance's own, where QIDO gave none)."""
+    named = sop_class_named(sop_class if sop_class is not None else ref.sop_class)
+    if ref.ours:
+        return f"tafl's own result ({named})"
+    return f"not an image instance, no pixel data ({named})" if no_pixels else f"not an image instance ({named})"
 
 
 def session_from_env():
@@ -196,22 +226,35 @@ class Pacs:
                                   max(_int(_value(r, "00280008")), 1))
                 if not ref.series or not ref.sop or (modality and ref.modality != modality):
                     continue  # with --modality, an instance that states none is not that modality
-                ours = _value(r, "00080070") == dicom_sr.MANUFACTURER  # tafl's own SRs and heatmap captures
-                (others if ours or ref.sop_class.startswith(dicom_sr.NOT_IMAGES) else images).append(ref)
+                if _value(r, "00080070") == dicom_sr.MANUFACTURER:  # tafl's own SRs and heatmap captures
+                    others.append(replace(ref, ours=True))
+                else:
+                    (others if ref.sop_class.startswith(dicom_sr.NOT_IMAGES) else images).append(ref)
         return sorted(set(images)), sorted(set(others))
 
+    def undated(self, modality: str | None, most: int = 0) -> tuple[list[str], int]:
+        """(the UIDs of the studies without a StudyDate, sorted; how many studies were looked at), among the
+        studies with `modality` in them (all without): the ones a --since range cannot match. Stops once `most`
+        studies (default UNDATED_SCAN) were listed."""
+        filters = {"ModalitiesInStudy": modality} if modality else {}
+        found = self.pages("QIDO-RS (studies, for those without a StudyDate)", lambda **kw: (
+            self.client.search_for_studies(search_filters=filters, fields=["00080020"], **kw)), "0020000D",
+            retries=min(self.retries, 2), most=most or UNDATED_SCAN)
+        return sorted({_value(r, "0020000D") for r in found if not _value(r, "00080020")} - {""}), len(found)
+
     def pages(self, what: str, search: Callable[..., list], key: str, page: int = 500,
-              retries: int | None = None) -> list[dict[str, Any]]:
+              retries: int | None = None, most: int = 0) -> list[dict[str, Any]]:
         """Every record of a QIDO search, page by page (servers cap an answer's size: dcm4chee does). Stops at a
         short page, or at a page with nothing new: Orthanc 1.10 ignores `offset` when it filters on
-        ModalitiesInStudy, where dicomweb-client's own `get_remaining` would ask forever."""
+        ModalitiesInStudy, where dicomweb-client's own `get_remaining` would ask forever. With `most`, stops once
+        that many records came (the pages hold a few more)."""
         out: dict[str, dict[str, Any]] = {}
         offset = 0
         while True:
             got = self.call(what, lambda o=offset: search(limit=page, offset=o), retries=retries)
             new = {_value(r, key): r for r in got if _value(r, key) not in out}
             out.update(new)
-            if len(got) < page or not new:
+            if len(got) < page or not new or (most and len(out) >= most):
                 return list(out.values())
             offset += len(got)
 
@@ -314,6 +357,17 @@ def refused_in(answer) -> set[str]:
     return {_value(item, "00081155") for item in failed if isinstance(item, dict)}
 
 
+def undated_line(undated: dict[str, Any]) -> str:
+    """What --since could not see: how many studies have no StudyDate, and how to score them."""
+    n, uids = undated["count"], undated["uids"]
+    it = "it" if n == 1 and undated["complete"] else "them"
+    how_many = (f"{n} stud{'y has' if n == 1 else 'ies have'}" if undated["complete"] else
+                f"at least {n} of the first {undated['looked_at']:,} studies listed have")
+    shown = " ".join(uids[:5]) + (f" ... ({n - 5} more)" if n > 5 else "")
+    return (f"{how_many} no StudyDate, so --since did not score {it} (a date range matches no study without a "
+            f"date); score {it} with --study UID: {shown}")
+
+
 def _since(value: str | None) -> str | None:
     if value is None:
         return None
@@ -371,9 +425,17 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
 
         adaptive_blocked(None)  # a bad TAFL_PRIOR_ADAPTIVE fails here, before anything is fetched (as for a folder)
     pacs = Pacs(dicomweb, retries=retries, backoff=backoff)
-    images, others = pacs.find(studies, _since(since), modality.upper() if modality else None, concurrency)
+    modality = modality.upper() if modality else None
+    images, others = pacs.find(studies, _since(since), modality, concurrency)
+    undated = None
+    if since:  # the studies a date range cannot match: counted, so that the job does not miss them in silence
+        uids, looked_at = pacs.undated(modality)
+        # a study whose instances disagree on its date can be listed undated and still match the range: it was found
+        uids = [u for u in uids if u not in {r.study for r in images + others}]
+        undated = {"count": len(uids), "uids": uids, "looked_at": looked_at, "complete": looked_at < UNDATED_SCAN}
     if not images:
-        raise DataError(f"{dicomweb} holds no image instance for this query ({len(others)} non-image instance(s))")
+        raise DataError(f"{dicomweb} holds no image instance for this query ({len(others)} non-image instance(s))"
+                        + (f"; {undated_line(undated)}" if undated and undated["count"] else ""))
     scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
     check_site_mix(scorer.meta, site_mix, mode)
     if mode == "site":
@@ -389,6 +451,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     counts: dict[str, int] = dict(results.done_counts)
     failed: list[tuple[str, str]] = []
     skipped = [r.key for r in others]
+    skipped_why = {r.key: skip_reason(r) for r in others}  # what each is, for the summary
     state = {"predicted": 0, "stored": 0, "refused": 0}
     chunks = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     from tqdm.auto import tqdm
@@ -412,8 +475,10 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
             except Exception as exc:  # pydicom raises many kinds on a damaged file
                 return ref, None, (f"error:422 UnprocessableImage: the WADO-RS answer is not a DICOM instance "
                                    f"({type(exc).__name__}: {str(exc)[:120]})")
-            if not dicom_sr.is_image_object(ds) or str(ds.get("Manufacturer", "")) == dicom_sr.MANUFACTURER:
-                return ref, None, "skip"  # no pixels, or a heatmap tafl filed itself
+            if str(ds.get("Manufacturer", "")) == dicom_sr.MANUFACTURER:  # a heatmap tafl filed itself
+                return ref, None, "skip:" + skip_reason(replace(ref, ours=True), str(ds.get("SOPClassUID", "")))
+            if not dicom_sr.is_image_object(ds):
+                return ref, None, "skip:" + skip_reason(ref, str(ds.get("SOPClassUID", "")), no_pixels=True)
             path = Path(spool.name) / f"{hashlib.sha256(ref.key.encode()).hexdigest()}.dcm"  # not the UID: a path
             path.write_bytes(data)
             return ref, path, ""
@@ -469,8 +534,9 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                 scored[row.path] = row
         out_rows = []
         for ref, path, why in fetched:
-            if why == "skip":
+            if why.startswith("skip:"):
                 skipped.append(ref.key)
+                skipped_why[ref.key] = why[5:]
             elif why.startswith("error:"):
                 out_rows.append((Row(ref.key, error=why[6:]), None))
             else:
@@ -516,7 +582,9 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo),
                         predicted_now=state["predicted"], failed=failed, skipped=skipped, explicit=explicit,
                         adaptive=adaptive, site_mix=site_mix, site_rule=mode == "site")
-    summary.update(source=pacs.url, non_image=len(skipped))
+    summary.update(source=pacs.url, non_image=len(skipped), skipped_why=skipped_why)
+    if undated is not None:
+        summary["undated_studies"] = undated
     if store_sr:
         summary.update(stored_sr=state["stored"], sr_refused=state["refused"])
     return summary

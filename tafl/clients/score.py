@@ -605,8 +605,13 @@ def _print_problems(s: dict[str, Any]) -> None:
         print(f"DICOM SR written for {s['dicom_written']} input(s); {len(s['dicom_failed'])} without one")
         for path, why in s["dicom_failed"][:10]:
             print(f"  no SR: {path}: {why}")
+    why = s.get("skipped_why") or {}  # DICOMweb: what each instance is (a folder's skipped files are not images)
     for path in s["skipped"][:10]:
-        print(f"  skipped (not DICOM, PNG or JPEG): {path}")
+        print(f"  skipped: {why[path]}: {path}" if path in why else f"  skipped (not DICOM, PNG or JPEG): {path}")
+    if (s.get("undated_studies") or {}).get("count"):
+        from tafl.clients.dicomweb import undated_line
+
+        print(undated_line(s["undated_studies"]))
 
 
 def _print_adaptive(s: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from pydicom.uid import generate_uid
 from tafl.cli import main
 from tafl.clients.score import csv_uncell
 from tafl.imaging import dicom_sr
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, digit_png
 from tests.dicom_net import echo, free_port, instances
 from tests.orthanc import Orthanc
 
@@ -318,6 +318,84 @@ def test_since_and_modality_pick_studies_and_credentials_come_from_the_environme
         assert "s3cret-pacs" not in capsys.readouterr().out  # never printed
     finally:
         pacs.stop()
+
+
+def test_without_v_the_job_prints_no_library_info_line_and_names_what_it_skipped(gtafl_pkg, pacs, tmp_path):
+    """The CLI as a user runs it (a process of its own, so that its logging is configured as in use): without -v,
+    stderr holds no INFO line of a library (dicomweb-client's per query, highdicom's per SR); the summary says what
+    a skipped instance is, by SOP class. With -v the same run shows the libraries' lines: they were there to hide."""
+    sent = _study(3, str(tmp_path))
+    study = str(sent[0].StudyInstanceUID)
+    other = _non_image(study)
+    _stow(pacs, sent + [other])
+    args = [sys.executable, "-m", "tafl.cli", "score", "--dicomweb", pacs.dicomweb, "--study", study, "--package",
+            str(gtafl_pkg), "--out", str(tmp_path / "r.csv"), "--store-sr", "--dicom-heatmap", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    chatter = [line for line in run.stderr.splitlines() if line.startswith(("INFO ", "DEBUG "))
+               and not line.split(" ", 2)[1].startswith("tafl")]
+    assert not chatter, chatter[:5]
+    key = f"{study}/{other.SeriesInstanceUID}/{other.SOPInstanceUID}"
+    assert (f"skipped: not an image instance (Comprehensive SR Storage, 1.2.840.10008.5.1.4.1.1.88.33): {key}"
+            in run.stdout), run.stdout
+    assert "not DICOM, PNG or JPEG" not in run.stdout  # that is a folder's file, not a PACS's instance
+
+    loud = subprocess.run(args[:3] + ["-v"] + args[3:] + ["--force"], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    assert "INFO dicomweb_client" in loud.stderr and "INFO highdicom" in loud.stderr
+
+
+def test_a_folders_other_files_are_still_said_to_be_no_image(gtafl_pkg, tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(digit_png(3))
+    (folder / "notes.txt").write_text("not an image")
+    assert main(["score", str(folder), "--package", str(gtafl_pkg), "--out", str(tmp_path / "r.csv"),
+                 "--no-progress"]) == 0
+    assert "skipped (not DICOM, PNG or JPEG): notes.txt" in capsys.readouterr().out
+
+
+def test_since_says_which_studies_it_cannot_see_for_want_of_a_studydate(gtafl_pkg, pacs, tmp_path, capsys,
+                                                                       monkeypatch):
+    """QIDO's StudyDate range matches no study without a date: the job says how many there are and how to score
+    them, and the way it names (--study UID) scores them."""
+    import csv
+
+    import tafl.clients.dicomweb as dw
+
+    new, old, undated = _study(3, str(tmp_path) + "new"), _study(2, str(tmp_path) + "old"), _study(2, str(tmp_path))
+    for ds in new:
+        ds.StudyDate = "20261201"
+    for ds in old:
+        ds.StudyDate = "20190102"
+    for ds in undated:
+        ds.StudyDate = ""  # present and empty: Type 2, as a modality writes it when it does not know
+    _stow(pacs, new + old + undated)
+    uid = str(undated[0].StudyInstanceUID)
+    base = ["score", "--dicomweb", pacs.dicomweb, "--package", str(gtafl_pkg), "--no-progress"]
+    assert main(base + ["--since", "2026-01-01", "--out", str(tmp_path / "since.csv")]) == 0
+    out = capsys.readouterr().out
+    assert ("1 study has no StudyDate, so --since did not score it (a date range matches no study without a date); "
+            f"score it with --study UID: {uid}\n") in out, out
+    assert str(old[0].StudyInstanceUID) not in out  # dated, before --since: not missed, left out
+    rows = list(csv.DictReader(open(tmp_path / "since.csv", newline="")))
+    assert {csv_uncell(r["path"]).split("/")[0] for r in rows} == {str(new[0].StudyInstanceUID)}
+
+    assert main(base + ["--study", uid, "--out", str(tmp_path / "undated.csv")]) == 0  # the way the line names
+    rows = list(csv.DictReader(open(tmp_path / "undated.csv", newline="")))
+    assert len(rows) == 2 and all(r["label"] and not r["error"] for r in rows)
+    capsys.readouterr()
+
+    assert main(base + ["--since", "2030-01-01", "--out", str(tmp_path / "none.csv")]) == 2  # nothing that late
+    err = capsys.readouterr().err
+    assert "no image instance for this query" in err and f"score it with --study UID: {uid}" in err
+
+    monkeypatch.setattr(dw, "UNDATED_SCAN", 2)  # a large archive: the count stops early, and says "at least"
+    assert main(base + ["--since", "2026-01-01", "--out", str(tmp_path / "since.csv"), "--force"]) == 0
+    out = capsys.readouterr().out
+    assert f"at least 1 of the first 3 studies listed have no StudyDate, so --since did not score them" in out, out
 
 
 # ------------------------------------------------------------------ the DIMSE listener against Orthanc
