@@ -23,6 +23,7 @@ from pydicom.uid import (
     ExplicitVRLittleEndian,
     JPEG2000Lossless,
     JPEGBaseline8Bit,
+    JPEGExtended12Bit,
     RLELossless,
     SecondaryCaptureImageStorage,
     generate_uid,
@@ -207,6 +208,40 @@ def j2k_siz_larger(scale: int = 1) -> bytes:
     return _file(ds, JPEG2000Lossless)
 
 
+def _jpeg12_frame() -> bytes:
+    """The 12-bit JPEG Extended frame of pydicom's JPEG-lossy.dcm (1024×256, 76:1), as PACS send them: nothing in
+    Python encodes 12-bit JPEG. Its scan header holds Ss = Se = 0, a quirk of old encoders that dcmtk accepts."""
+    from pydicom.data import get_testdata_file
+    from pydicom.encaps import generate_frames
+
+    ds = pydicom.dcmread(get_testdata_file("JPEG-lossy.dcm"))
+    return next(generate_frames(ds.PixelData, number_of_frames=1))
+
+
+def jpeg12_dicom(frame: bytes | None = None) -> bytes:
+    ds = _dataset(1024, 256, bits=16)
+    ds.BitsStored, ds.HighBit = 12, 11
+    ds.PixelData = encapsulate([frame if frame is not None else _jpeg12_frame()])
+    return _file(ds, JPEGExtended12Bit)
+
+
+def jpeg12_truncated() -> bytes:
+    """A complete DICOM file whose 12-bit JPEG frame is cut to half its bytes (its end-of-image marker lost): the
+    codec decodes what is there and fills the rest with grey, an image that must not be scored."""
+    frame = _jpeg12_frame()
+    return jpeg12_dicom(frame[:len(frame) // 2])
+
+
+def jpeg12_corrupt() -> bytes:
+    """A 12-bit JPEG frame whose entropy-coded data is noise from 100 bytes into its scan to its end-of-image
+    marker."""
+    frame = bytearray(_jpeg12_frame())
+    start = frame.index(b"\xff\xda") + 100
+    end = frame.rindex(b"\xff\xd9")
+    frame[start:end] = np.random.default_rng(12).integers(0, 256, end - start, dtype=np.uint8).tobytes()
+    return jpeg12_dicom(bytes(frame))
+
+
 # --------------------------------------------------------------------------- palette LUTs
 
 
@@ -327,6 +362,8 @@ HOSTILE = {
     "jpeg_sof_larger": (jpeg_sof_larger, 422),
     "jpeg_real_larger": (jpeg_real_larger, 422),
     "j2k_siz_larger": (j2k_siz_larger, 422),
+    "jpeg12_truncated": (jpeg12_truncated, 422),
+    "jpeg12_corrupt": (jpeg12_corrupt, 422),
     "deep_sequence": (deep_sequence, 422),
     "huge_sequence": (huge_sequence, 413),
     "many_elements": (many_elements, 413),
@@ -343,6 +380,8 @@ CONTROLS = {
     "jpeg_sof_larger": jpeg_dicom,
     "jpeg_real_larger": jpeg_dicom,
     "j2k_siz_larger": lambda: j2k_dicom(),
+    "jpeg12_truncated": jpeg12_dicom,
+    "jpeg12_corrupt": jpeg12_dicom,
     "deep_sequence": nested_sequence_valid,
     "huge_sequence": nested_sequence_valid,
     "many_elements": nested_sequence_valid,

@@ -1,8 +1,8 @@
 """One image path: a file is the same model input in the training folder dataset and in the service.
 
 The awkward files a hospital folder holds (an EXIF-rotated phone JPEG, an RGBA PNG, a 16-bit PNG, a
-MONOCHROME1 DICOM, a multi-frame DICOM) go through `--dataset folder` and through a live
-`bentoml serve`: the training rows must be exactly what the service's decoder and preprocessing
+MONOCHROME1 DICOM, a multi-frame DICOM, a 12-bit JPEG Extended DICOM) go through `--dataset folder` and
+through a live `bentoml serve`: the training rows must be exactly what the service's decoder and preprocessing
 make of the bytes, and the service's probabilities must be the package's on those training rows.
 """
 
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import csv
 import io
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pydicom
 import pytest
 from PIL import Image
+from pydicom.data import get_testdata_file
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
 
@@ -83,6 +85,8 @@ AWKWARD = {
     "mono1.dcm": lambda: _dicom(_pattern(32, 32, 4)[None].astype(np.uint16) * 16, "MONOCHROME1"),
     "multi.dcm": lambda: _dicom(np.stack([_pattern(24, 24, s) for s in (5, 6, 7)]).astype(np.uint16) * 16,
                                 "MONOCHROME2"),
+    # 12-bit JPEG Extended (1.2.840.10008.1.2.4.51), as PACS send NM and older CR/DX: 1024×256, lossy 76:1
+    "jpeg12.dcm": lambda: Path(get_testdata_file("JPEG-lossy.dcm")).read_bytes(),
 }
 
 
@@ -168,6 +172,18 @@ def test_the_service_scores_a_file_as_the_model_scores_its_training_row(tmp_path
         for f, probs in zip(frames, want["probs"]):
             got = np.array([f["probabilities"][c] for c in pkg.class_names])
             np.testing.assert_allclose(got, probs, atol=1e-5, err_msg=name)
+
+
+def test_a_12_bit_jpeg_dicom_becomes_a_prediction(gtafl_pkg):
+    """Decoded, preprocessed and run through the package: the probabilities of a real image (not refused, and not
+    a blank: the network input varies)."""
+    pkg = load_package(gtafl_pkg)
+    decoded = decode_image(AWKWARD["jpeg12.dcm"]())
+    assert decoded.info["transfer_syntax"] == "JPEG Extended (Process 2 and 4)" and len(decoded.frames) == 1
+    x = pkg.preprocess.normalize(np.stack([pkg.preprocess.to_uint8(decoded.frames[0])]))
+    assert x.shape == (1, pkg.preprocess.channels, pkg.preprocess.size, pkg.preprocess.size) and x.std() > 0.1
+    probs = pkg.run(pkg.session(["CPUExecutionProvider"]), x)["probs"]
+    assert probs.shape == (1, len(pkg.class_names)) and abs(float(probs.sum()) - 1) < 1e-4
 
 
 def test_dicom_pixels_reach_the_training_row_inverted_for_monochrome1(tmp_path, gtafl_pkg):

@@ -4,8 +4,11 @@ patient data leaks into `info` or an error message."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import shutil
 import struct
+import subprocess
 import time
 import warnings
 import zlib
@@ -17,10 +20,13 @@ import pydicom.data
 import pytest
 from PIL import Image
 from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
+from pydicom.pixels import get_decoder
+from pydicom.uid import ExplicitVRLittleEndian, JPEGExtended12Bit, SecondaryCaptureImageStorage, generate_uid
 
-from tafl.errors import ServiceError
+from tafl.errors import ServiceError, UnprocessableImage
 from tafl.imaging import DecodedImage, decode_image
+from tafl.imaging.pool import DecodePool
+from tests import hostile_corpus as hc
 from tests.conftest import SHARED_DATA, shared
 
 SHARED_DICOM = SHARED_DATA / "dicom"
@@ -36,6 +42,7 @@ MUST_DECODE = {
     "shared/SC_rgb.dcm": 1, "shared/SC_rgb_2frame.dcm": 2, "shared/SC_ybr_full_uncompressed.dcm": 1,
     "shared/US1_J2KR.dcm": 1, "shared/MR2_J2KI.dcm": 1, "shared/OBXXXX1A_rle_2frame.dcm": 2,
     "shared/color-pl.dcm": 1, "shared/OT-PAL-8-face.dcm": 1,  # the last one has no preamble / 'DICM'
+    "pydicom/JPEG-lossy.dcm": 1,  # 12-bit JPEG Extended (1.2.840.10008.1.2.4.51), whose scan header has Se = 0
 }
 # Files that must fail, with the status they must fail with.
 MUST_FAIL = {
@@ -438,3 +445,69 @@ def test_a_transfer_syntax_is_named_the_same_whatever_the_process_imported_befor
     from tafl.imaging.decode import _uid_name
 
     assert fresh == _uid_name("1.2.840.10008.1.2.8.1") == "Deflated Image Frame Compression"
+
+
+# --------------------------------------------------------------------------- 12-bit JPEG Extended (issue 51, item 6)
+
+
+def _raw_12_bit(data: bytes) -> np.ndarray:
+    """The stored 12-bit values of a JPEG Extended file as tafl's decoder plugin gives them (before the display
+    pipeline, which a min-max stretch would let hide a wrong decode)."""
+    ds = pydicom.dcmread(io.BytesIO(data))
+    return get_decoder(JPEGExtended12Bit).as_array(ds, decoding_plugin="tafl")[0]
+
+
+@pytest.mark.skipif(shutil.which("dcmdjpeg") is None, reason="needs dcmtk's dcmdjpeg (Debian package dcmtk)")
+def test_12_bit_jpeg_extended_decodes_as_dcmtk_does(tmp_path):
+    """dcmtk's dcmdjpeg (IJG's 12-bit codec) is the reference PACS and viewers agree with. libjpeg's and IJG's
+    inverse DCTs round differently, so a lossy decode may differ by 1 (in 1.4% of this image's pixels), never
+    more; the rendered frames then differ by at most 1 grey level."""
+    src = _path("pydicom", "JPEG-lossy.dcm")
+    ref_path = tmp_path / "dcmdjpeg.dcm"
+    subprocess.run(["dcmdjpeg", str(src), str(ref_path)], check=True, capture_output=True, timeout=60)
+    ref = pydicom.dcmread(ref_path)
+    assert ref.file_meta.TransferSyntaxUID == ExplicitVRLittleEndian and ref.BitsStored == 12
+    raw = _raw_12_bit(src.read_bytes())
+    assert raw.dtype == np.uint16 and raw.shape == ref.pixel_array.shape == (1024, 256)
+    diff = np.abs(raw.astype(int) - ref.pixel_array.astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.05, (diff.max(), (diff > 0).mean())
+    assert raw.max() > 200  # 12-bit values, not a grey fill: this image's are 0..264
+    ours, theirs = decode_image(src.read_bytes()), decode_image(ref_path.read_bytes())
+    assert ours.info["transfer_syntax"] == "JPEG Extended (Process 2 and 4)" and ours.info["bits_stored"] == 12
+    assert np.abs(ours.frames[0].astype(int) - theirs.frames[0].astype(int)).max() <= 1
+
+
+def test_12_bit_scan_header_repair_is_what_a_conformant_header_decodes_to():
+    """Old encoders wrote all zeroes where a sequential scan header says Ss = 0, Se = 63 (IJG and dcmtk read
+    them as 0..63, libjpeg refuses them): the repaired frame decodes as the same frame with a conformant header,
+    and a scan header wrong in any other way is still refused."""
+    frame = bytearray(hc._jpeg12_frame())
+    sos = frame.index(b"\xff\xda")
+    params = sos + 5 + 2 * frame[sos + 4]  # Ss, Se, Ah/Al after the component selectors
+    assert frame[params:params + 3] == b"\x00\x00\x00"  # the quirk, as sent
+    quirky = _raw_12_bit(hc.jpeg12_dicom(bytes(frame)))
+    frame[params + 1] = 63
+    assert np.array_equal(quirky, _raw_12_bit(hc.jpeg12_dicom(bytes(frame))))
+    frame[params] = 1  # Ss = 1: a progressive scan's header in a sequential frame, not the zeroes quirk
+    with pytest.raises(UnprocessableImage, match="could not be decoded"):
+        decode_image(hc.jpeg12_dicom(bytes(frame)))
+
+
+def test_12_bit_jpeg_decodes_in_the_decoder_pool_under_its_deadline():
+    """The service sends it to the same decoder processes as every compressed DICOM, where the same deadline
+    holds: the frames are the in-process ones, and a deadline shorter than the decode is its 422."""
+    from tafl.serving.decoding import needs_codec
+
+    data = _path("pydicom", "JPEG-lossy.dcm").read_bytes()
+    assert needs_codec(data)
+    want = decode_image(data)
+    pool = DecodePool(1, deadline=60)
+    try:
+        pool.warm()
+        got = asyncio.run(pool.decode(data))
+        assert got.info == want.info and np.array_equal(got.frames[0], want.frames[0])
+        pool.deadline = 1e-4
+        with pytest.raises(UnprocessableImage, match="took longer than"):
+            asyncio.run(pool.decode(data))
+    finally:
+        pool.close()

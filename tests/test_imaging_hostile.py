@@ -83,6 +83,19 @@ def test_more_encoded_frames_than_declared_is_422():
         decode_image(hc.jpeg_dicom(frames=[frame] * 3, number_of_frames=2))
 
 
+def test_a_cut_or_corrupt_12_bit_jpeg_frame_is_422_not_a_partly_grey_image():
+    """libjpeg decodes a 12-bit frame cut short as far as it goes and fills the rest with grey, without an error:
+    a frame without its end-of-image marker is refused before it is decoded; noise in its scan is libjpeg's
+    error, a 422 too. The whole frame decodes."""
+    with pytest.raises(UnprocessableImage, match="ends before its end-of-image marker") as cut:
+        decode_image(hc.jpeg12_truncated())
+    assert "Hostile" not in cut.value.message
+    with pytest.raises(UnprocessableImage, match=r"JPEG Extended \(Process 2 and 4\)\) could not be decoded"):
+        decode_image(hc.jpeg12_corrupt())
+    whole = decode_image(hc.jpeg12_dicom()).frames[0]
+    assert whole.shape == (1024, 256) and whole[512:].std() > 5  # the lower half is image, not a fill
+
+
 # --------------------------------------------------------------------------- decoded_nbytes
 
 

@@ -22,6 +22,8 @@ deflated data set is inflated by this module with a cap on its output, a cheap w
 set's elements bounds their count and sequence depth before pydicom parses it, encapsulated frames
 are checked against the header (frame count, and the size each JPEG / JPEG-LS / JPEG 2000 frame
 header declares) before they are decoded, RLE segments are decoded with a cap on their output,
+12-bit JPEG Extended frames (which Pillow cannot read) go to libjpeg only when whole (their end-of-image
+marker present: libjpeg fills a cut frame with grey without an error),
 segmented palette tables are expanded with a cap on their length, and the grey pipeline works in
 bounded float chunks. `decoded_nbytes` reads headers only and tells a caller how much a decode
 will allocate, to choose between the event loop and a worker thread.
@@ -57,6 +59,7 @@ from pydicom.uid import (
     ExplicitVRBigEndian,
     ExplicitVRLittleEndian,
     ImplicitVRLittleEndian,
+    JPEGExtended12Bit,
     RLELossless,
 )
 
@@ -336,14 +339,22 @@ def _render_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int)
     pixel_keyword = next(k for k in PIXEL_KEYWORDS if k in ds)
     if tsyntax.is_encapsulated and pixel_keyword == "PixelData":
         _check_encapsulated(ds.PixelData, tsyntax, n_frames, rows, cols, spp, max_fragments=max(4096, 64 * max_frames))
-    plugin = {"decoding_plugin": "tafl"} if tsyntax == RLELossless else {}
-    _rle_state.too_long = False
+    plugin = {"decoding_plugin": "tafl"} if tsyntax == RLELossless or _is_jpeg12(tsyntax, ds) else {}
+    if plugin and "tafl" not in decoder.available_plugins:  # 12-bit JPEG without pylibjpeg-libjpeg installed
+        raise UnsupportedMedia(f"the DICOM transfer syntax '{ts_name}' with 12-bit samples is not "
+                               "supported here: export the image uncompressed or as JPEG-LS, JPEG 2000 or RLE and "
+                               "resend it")
+    _rle_state.too_long = _jpeg12_state.cut = False
     try:
         arr, meta = decoder.as_array(ds, validate=True, raw=False, **plugin, **as_pixel_options(ds))
     except Exception:
         if tsyntax == RLELossless and getattr(_rle_state, "too_long", False):
             raise UnprocessableImage("the DICOM file's RLE pixel data decodes to more than its declared image "
                                      "size: export it again from the PACS or modality and resend it") from None
+        if getattr(_jpeg12_state, "cut", False):
+            raise UnprocessableImage("the DICOM file's JPEG pixel data is truncated: a frame ends before its "
+                                     "end-of-image marker; send the complete file (export it again and resend "
+                                     "it)") from None
         raise UnprocessableImage(f"the DICOM pixel data ({ts_name}) could not be decoded, it is truncated, "
                                  "corrupt or in an unsupported variant: export it again uncompressed and "
                                  "resend it") from None
@@ -939,10 +950,15 @@ def _check_encapsulated(pixel_data: bytes, tsyntax: UID, n_frames: int, rows: in
 
 # --------------------------------------------------------------------------- RLE, bounded
 
-DECODER_DEPENDENCIES = {RLELossless: ()}  # this module is also a pydicom decoding plugin (bounded RLE)
+# This module is also a pydicom decoding plugin: bounded RLE, and 12-bit JPEG Extended through pylibjpeg-libjpeg.
+DECODER_DEPENDENCIES = {RLELossless: (), JPEGExtended12Bit: ("pylibjpeg>=2.0", "pylibjpeg-libjpeg>=2.1")}
 
 
 def is_available(uid: str) -> bool:
+    if uid == JPEGExtended12Bit:
+        from pydicom.pixels.decoders import pylibjpeg
+
+        return pylibjpeg.is_available(uid)
     return uid == RLELossless
 
 
@@ -994,6 +1010,75 @@ def _rle_decode_frame(src: bytes, runner: Any) -> bytearray:
             decoded[start:start + stride:bps] = segment[:plane]
     runner.set_option("planar_configuration", 1)
     return decoded
+
+
+# --------------------------------------------------------------------------- 12-bit JPEG Extended
+
+_jpeg12_state = threading.local()  # cut: this thread's last 12-bit JPEG frame ended before its EOI marker
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")  # after entropy-coded data: not stuffing, RSTn or fill
+_SEQUENTIAL_DCT = (0xC0, 0xC1)  # SOF0/SOF1: baseline and extended sequential, Huffman (what 1.2.4.50/51 allow)
+
+
+def _is_jpeg12(tsyntax: UID, ds: pydicom.Dataset) -> bool:
+    """A JPEG Extended file with 12-bit samples: Pillow refuses those, pylibjpeg-libjpeg reads them through the
+    plugin below (8-bit ones keep Pillow, as JPEG Baseline does)."""
+    return tsyntax == JPEGExtended12Bit and (_safe_int(ds.get("BitsStored")) or 8) > 8
+
+
+def _sequential_scan_fixes(src: bytes | bytearray) -> list[int]:
+    """Offsets of the Se bytes to set to 63 in `src`, a JPEG frame: the scan headers of a sequential DCT frame
+    whose Ss, Se and Ah/Al are all zero. Old encoders wrote that (pydicom's JPEG-lossy.dcm is one); IJG's code
+    (dcmtk's, and libjpeg-turbo's under Pillow) decodes all 64 coefficients of a sequential scan whatever its
+    header says (jdhuff.c: "some baseline files out there with all zeroes in these bytes"), with a warning, but
+    libjpeg refuses the frame. A walk over the marker segments, at most 4 scans (one per component) and 1000
+    segments."""
+    fixes: list[int] = []
+    pos, end, sequential, scans, segments = 2, len(src), False, 0, 0
+    while pos + 5 <= end and scans < 4 and segments < 1000:
+        if src[pos] != 0xFF:
+            return fixes  # not a marker where one must be: libjpeg says what is wrong
+        marker = src[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0xD9:  # EOI
+            break
+        segments += 1
+        length = src[pos + 2] << 8 | src[pos + 3]
+        if marker in _SEQUENTIAL_DCT:
+            sequential = True
+        elif marker == 0xDA:
+            scans += 1
+            params = pos + 5 + 2 * src[pos + 4]  # after Ns and its component selectors
+            if sequential and length == params - pos + 1 and src[params:params + 3] == b"\x00\x00\x00":
+                fixes.append(params + 1)
+            found = _JPEG_MARKER.search(src, pos + 2 + length)  # the marker after this scan's entropy-coded data
+            if found is None:
+                break
+            pos = found.start()
+            continue
+        pos += 2 + length
+    return fixes
+
+
+def _jpeg12_decode_frame(src: bytes, runner: Any) -> bytes | bytearray:
+    """pydicom decoding plugin for 12-bit JPEG Extended: pydicom's pylibjpeg-libjpeg plugin, given only whole
+    frames, with an all-zero sequential scan header read as IJG reads it."""
+    from pydicom.pixels.decoders.pylibjpeg import _decode_frame
+
+    tail = bytes(src[-64:])
+    eoi = tail.rfind(b"\xff\xd9")
+    if eoi < 0 or tail[eoi + 2:].strip(b"\x00\xff"):  # a frame is padded to an even length (JPEG-lossy.dcm: 0xFF)
+        _jpeg12_state.cut = True
+        raise ValueError("JPEG frame without its end-of-image marker")
+    fixes = _sequential_scan_fixes(src)
+    if fixes:  # one copy of the compressed frame (libjpeg takes bytes only)
+        view, parts, last = memoryview(src), [], 0
+        for at in fixes:
+            parts += [view[last:at], b"\x3f"]
+            last = at + 1
+        src = b"".join([*parts, view[last:]])
+    return _decode_frame(src, runner)
 
 
 # --------------------------------------------------------------------------- segmented palettes
@@ -1120,8 +1205,13 @@ def _safe_int(value: Any) -> int | None:
         return None
 
 
-# The bounded RLE decoder above, as a pydicom plugin used only when asked for by name ("tafl").
-from pydicom.pixels.decoders import RLELosslessDecoder
+# The bounded RLE decoder and the 12-bit JPEG one above, as pydicom plugins named "tafl". The JPEG one comes after
+# Pillow and pydicom's own pylibjpeg plugin for a caller that names none (pydicom tries them in that order).
+from pydicom.pixels.decoders import JPEGExtended12BitDecoder, RLELosslessDecoder
 
-if "tafl" not in RLELosslessDecoder.available_plugins:
-    RLELosslessDecoder.add_plugin("tafl", (__name__, "_rle_decode_frame"))
+for _decoder, _function in ((RLELosslessDecoder, "_rle_decode_frame"),
+                            (JPEGExtended12BitDecoder, "_jpeg12_decode_frame")):
+    try:
+        _decoder.add_plugin("tafl", (__name__, _function))
+    except ValueError:  # added already (this module imported again, as importlib.reload does)
+        pass
