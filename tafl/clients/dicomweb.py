@@ -20,7 +20,9 @@ QIDO answer, or no pixel data once fetched) and tafl's own SRs and heatmap captu
 in the summary (by SOP class: "not an image instance (Comprehensive SR Storage, 1.2.840.10008.5.1.4.1.1.88.33)");
 an instance the decoder refuses (over the service's size limits, corrupt) gets a row with its 4xx reason; one whose
 geometry in the QIDO answer is over the decoder's limits is not fetched at all (in-process; through --url the
-service's own limits decide).
+service's own limits decide). Whatever QIDO declares, a WADO-RS answer is streamed into the spool and read no
+further than the upload limit (TAFL_MAX_UPLOAD_MB, default 50 MiB: the service refuses a larger file anyway, and it
+is the in-process decoder's own default) and its multipart framing: past it the row is a 413 and the job goes on.
 
 --since asks QIDO for a StudyDate range, which no study without a StudyDate matches (DICOM range matching; an empty
 key would match every study, not the empty ones). So the job asks once more without the date (the same --modality;
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 ENV_TOKEN, ENV_USER, ENV_PASSWORD = "TAFL_DICOMWEB_TOKEN", "TAFL_DICOMWEB_USER", "TAFL_DICOMWEB_PASSWORD"
 RETRIABLE = {408, 425, 429, 500, 502, 503, 504}
+MULTIPART_SLACK = 64 * 2**10  # a WADO-RS answer's delimiters and part headers, over the instance's own bytes
 UNDATED_SCAN = 10_000  # studies listed, at most, to count those without a StudyDate (--since): 20 QIDO pages
 
 
@@ -62,6 +65,12 @@ class PacsUnavailable(TaflError):
     """The DICOMweb server did not answer (or kept answering 5xx) through every retry."""
 
     status = 503
+
+
+class TooLarge(TaflError):
+    """A WADO-RS answer past the upload limit: its row is a 413, and the job goes on."""
+
+    status = 413
 
 
 class PacsRefused(TaflError):
@@ -104,8 +113,8 @@ def _int(text: str) -> int:
 
 
 def oversized(ref: InstanceRef) -> str | None:
-    """The decoder's 413, from the geometry QIDO declares, so that an instance it would refuse is not fetched
-    (a WADO-RS answer is read whole: this is what bounds it for real images)."""
+    """The decoder's 413, from the geometry QIDO declares, so that an instance it would refuse is not fetched at
+    all (what bounds the fetch itself is the upload limit: Pacs.fetch)."""
     from tafl.imaging.decode import DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS
 
     if ref.frames > DEFAULT_MAX_FRAMES:
@@ -186,7 +195,8 @@ class Pacs:
                 if code not in RETRIABLE:
                     raise PacsRefused(f"{what} refused: {code} {detail}".strip(), code) from None
                 last = f"{code} {detail}".strip()
-            except (requests.ConnectionError, requests.Timeout, ConnectionError) as exc:
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                    ConnectionError) as exc:  # ChunkedEncodingError: the connection dropped mid-answer
                 last = type(exc).__name__
             if attempt + 1 < tries:
                 time.sleep(min(self.backoff * 2 ** attempt, 15.0))
@@ -258,19 +268,42 @@ class Pacs:
                 return list(out.values())
             offset += len(got)
 
-    def fetch(self, ref: InstanceRef) -> bytes:
+    def fetch(self, ref: InstanceRef, raw: Path, limit: int) -> bytes:
         """The instance's Part 10 bytes as stored (any transfer syntax: no transcoding by the server). The bytes, not
         a dataset: dicomweb-client's `retrieve_instance` parses each answer into a pydicom dataset, which the job
-        would only write back to its spool (results.md §17.6: 1.5 ms of CPU an instance, for nothing)."""
+        would only write back to its spool (results.md §17.6: 1.5 ms of CPU an instance, for nothing).
+
+        The answer is streamed into `raw` (a file in the job's spool, removed before this returns) and read no
+        further than `limit` bytes (the upload limit) and its multipart framing: a server that sends more, or
+        without end, costs TooLarge (a 413 row) once past it, not the job's memory."""
         study, series, sop = (quote(u, safe="") for u in (ref.study, ref.series, ref.sop))  # UIDs from the server
         url = f"{self.url}/studies/{study}/series/{series}/instances/{sop}"
+        cap, mib = limit + MULTIPART_SLACK, f"{limit / 2**20:g} MiB"
 
         def get() -> bytes:
-            answer = self.session.get(url, headers={"Accept": WADO_ACCEPT}, timeout=self.timeout)
-            answer.raise_for_status()
-            parts = multipart_parts(answer.headers.get("Content-Type", ""), answer.content)
+            with self.session.get(url, headers={"Accept": WADO_ACCEPT}, timeout=self.timeout, stream=True) as answer:
+                if answer.status_code >= 400:  # call() reports the start of an error page, whatever its size
+                    answer._content, answer._content_consumed = answer.raw.read(1024, decode_content=True), True
+                    answer.raise_for_status()
+                got = 0
+                try:
+                    with open(raw, "wb") as fh:
+                        for chunk in answer.iter_content(256 * 2**10):
+                            got += len(chunk)
+                            if got > cap:
+                                raise TooLarge(f"the WADO-RS answer ran past the {mib} upload limit "
+                                               "(TAFL_MAX_UPLOAD_MB); not read further")
+                            fh.write(chunk)
+                    data = raw.read_bytes()
+                finally:
+                    raw.unlink(missing_ok=True)  # also the partial answer of a refusal or a dropped connection
+                content_type = answer.headers.get("Content-Type", "")
+            parts = multipart_parts(content_type, data)
             if len(parts) != 1:
                 raise PacsRefused(f"answered {len(parts)} parts for one instance", 502)
+            if len(parts[0]) > limit:
+                raise TooLarge(f"the instance is {len(parts[0]) / 2**20:.1f} MiB, over the {mib} upload limit "
+                               "(TAFL_MAX_UPLOAD_MB)")
             return parts[0]
 
         return self.call("WADO-RS", get)
@@ -424,6 +457,11 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
         from tafl.prior import adaptive_blocked
 
         adaptive_blocked(None)  # a bad TAFL_PRIOR_ADAPTIVE fails here, before anything is fetched (as for a folder)
+    from tafl.serving.settings import upload_limit
+
+    # what bounds a WADO-RS answer: the service's upload limit, which also refuses any larger file sent through --url,
+    # and in-process the same 50 MiB as the decoder's own max_bytes, unless TAFL_MAX_UPLOAD_MB says otherwise
+    limit = upload_limit()
     pacs = Pacs(dicomweb, retries=retries, backoff=backoff)
     modality = modality.upper() if modality else None
     images, others = pacs.find(studies, _since(since), modality, concurrency)
@@ -466,8 +504,11 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
             too_big = oversized(ref) if package else None  # through --url the service's own limits decide
             if too_big:
                 return ref, None, "error:" + too_big
+            path = Path(spool.name) / f"{hashlib.sha256(ref.key.encode()).hexdigest()}.dcm"  # not the UID: a path
             try:
-                data = pacs.fetch(ref)
+                data = pacs.fetch(ref, path.with_suffix(".wado"), limit)
+            except TooLarge as exc:
+                return ref, None, f"error:413 PayloadTooLarge: {exc.message}"
             except PacsRefused as exc:
                 return ref, None, f"error:WADO-RS {exc.message}"
             try:
@@ -479,7 +520,6 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                 return ref, None, "skip:" + skip_reason(replace(ref, ours=True), str(ds.get("SOPClassUID", "")))
             if not dicom_sr.is_image_object(ds):
                 return ref, None, "skip:" + skip_reason(ref, str(ds.get("SOPClassUID", "")), no_pixels=True)
-            path = Path(spool.name) / f"{hashlib.sha256(ref.key.encode()).hexdigest()}.dcm"  # not the UID: a path
             path.write_bytes(data)
             return ref, path, ""
         return list(fetchers.map(one, chunk))

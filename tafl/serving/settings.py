@@ -12,6 +12,14 @@ from tafl.serving.decoding import default_processes
 from tafl.settings import env_float, env_int
 
 DEFAULT_PACKAGE = "tafl-model:latest"
+DEFAULT_MAX_UPLOAD_MB = 50.0
+
+
+def upload_limit() -> int:
+    """TAFL_MAX_UPLOAD_MB (default 50) in bytes: the largest file the service takes in one upload. One reading for
+    every path that receives a DICOM file: the service, and `tafl score --dicomweb`, which reads no WADO-RS answer
+    past it (tafl.clients.dicomweb)."""
+    return int(env_float("TAFL_MAX_UPLOAD_MB", DEFAULT_MAX_UPLOAD_MB) * 2**20)
 
 
 @dataclass
@@ -20,7 +28,7 @@ class Settings:
     token: str | None = None  # bearer token for /predict, /heatmap, /models; None: open
     admin_token: str | None = None  # bearer token for /admin/reload (TAFL_ADMIN_TOKEN only); None: reload disabled
     package_root: str | None = None  # folders /admin/reload may load lie inside it; None: BentoML tags only
-    max_upload_bytes: int = 50 * 2**20
+    max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_MB * 2**20)
     max_pixels: int = 50_000_000
     max_frames: int = 64
     max_batch_files: int = 64  # images in one /predict/batch request
@@ -54,7 +62,7 @@ class Settings:
         # the admin token never falls back to the API token: a client that may predict may not swap the model
         return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or None,
                    package_root=env.get("TAFL_PACKAGE_ROOT", "").strip() or None,
-                   max_upload_bytes=int(env_float("TAFL_MAX_UPLOAD_MB", 50.0) * 2**20),
+                   max_upload_bytes=upload_limit(),
                    max_pixels=env_int("TAFL_MAX_PIXELS", 50_000_000),
                    max_frames=env_int("TAFL_MAX_FRAMES", 64),
                    max_batch_files=env_int("TAFL_MAX_BATCH_FILES", 64),

@@ -153,3 +153,104 @@ def test_a_wado_answer_that_is_not_one_dicom_instance_is_a_row_with_its_reason(o
     assert "422" in reasons[key + ".3/../../evil"]  # asked for with the UID quoted, and spooled under a hash
     assert any(p.endswith("/instances/" + _OddPacs.series + ".3%2F..%2F..%2Fevil") for p in odd_pacs.paths)
     assert not list(tmp_path.rglob("evil*")) and not list(tmp_path.parent.rglob("evil*"))
+
+
+class _EndlessPacs(BaseHTTPRequestHandler):
+    """QIDO finds two CT instances; WADO-RS answers the first with a body that has no end (no Content-Length: it
+    ends only when the client hangs up, or at CEILING, so that a client that reads everything fails this test
+    instead of filling the machine's memory), and the second with a real instance."""
+
+    study, series = "1.2.826.0.1.3680043.8.498.11", "1.2.826.0.1.3680043.8.498.12"
+    CEILING = 64 * 2**20  # 64 times the limit the test sets: "endless" to a client that stops at the limit
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, ct: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ct)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path.endswith("/instances/" + self.series + ".1"):
+            self.send_response(200)
+            self.send_header("Content-Type", 'multipart/related; type="application/dicom"; boundary=b0undary')
+            self.end_headers()
+            chunk = b"\xa5" * 2**16
+            try:
+                self.wfile.write(b"--b0undary\r\nContent-Type: application/dicom\r\n\r\n")
+                while self.server.sent < self.CEILING:
+                    self.wfile.write(chunk)
+                    self.server.sent += len(chunk)
+            except OSError:  # the client hung up: what the limit is for
+                self.server.hung_up = True
+            return
+        if "/instances/" in self.path:
+            ct, body = multipart_body([open(get_testdata_file("CT_small.dcm"), "rb").read()])
+            return self._send(200, ct, body)
+        if self.path.split("?")[0].endswith("/instances"):
+            recs = [{"0020000E": {"vr": "UI", "Value": [self.series]},
+                     "00080018": {"vr": "UI", "Value": [f"{self.series}.{i}"]},
+                     "00080016": {"vr": "UI", "Value": ["1.2.840.10008.5.1.4.1.1.2"]}} for i in (1, 2)]
+            return self._send(200, "application/dicom+json", json.dumps(recs).encode())
+        return self._send(200, "application/dicom+json", b"[]")
+
+
+@pytest.fixture
+def endless_pacs():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EndlessPacs)
+    server.daemon_threads = True
+    server.sent, server.hung_up = 0, False
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/dicom-web"
+    yield server
+    server.shutdown()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("through", ["url", "package"])
+def test_an_endless_wado_answer_is_a_413_row_and_is_read_no_further_than_the_upload_limit(
+        through, endless_pacs, gtafl_pkg, tmp_path, monkeypatch, request):
+    """Through the service (--url, whose decoder never sees the answer) and in-process alike: the answer is streamed
+    into the spool and dropped once past TAFL_MAX_UPLOAD_MB (1 MiB here), its partial file removed; the row is a
+    413 and the next instance is scored. The job's memory stays within a few times the limit, and the server sent
+    a few MiB (the limit and the sockets' buffers), not its 64 MiB ceiling."""
+    import hashlib
+    import tempfile
+    import time
+    import tracemalloc
+
+    monkeypatch.setenv("TAFL_MAX_UPLOAD_MB", "1")
+    spool_root = tmp_path / "tmp"
+    spool_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool_root))  # where the job's spool lies, to look into it
+    where = {"package": str(gtafl_pkg)}
+    if through == "url":
+        from tafl.packaging import load_package
+
+        where = {"url": request.getfixturevalue("server").url, "model": load_package(gtafl_pkg).name}
+    key = f"{_EndlessPacs.study}/{_EndlessPacs.series}/{_EndlessPacs.series}"
+    spooled_at_row: dict[str, list] = {}
+
+    def on_row(row) -> None:  # the endless answer's spool file, once its row is written
+        spooled_at_row[row.path] = list(spool_root.rglob(hashlib.sha256(row.path.encode()).hexdigest() + "*"))
+
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        summary = score_dicomweb(endless_pacs.url, tmp_path / "r.csv", studies=[_EndlessPacs.study], progress=False,
+                                 retries=0, batch_size=1, on_row=on_row, **where)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    took = time.monotonic() - started
+    reasons = dict(summary["failed"])
+    assert reasons == {key + ".1": "413 PayloadTooLarge: the WADO-RS answer ran past the 1 MiB upload limit "
+                                   "(TAFL_MAX_UPLOAD_MB); not read further"}, reasons
+    assert summary["predicted"] == 1  # the job went on: the next instance was fetched and scored
+    assert spooled_at_row[key + ".1"] == []  # the partial answer is not left in the spool
+    assert endless_pacs.sent < 16 * 2**20 and endless_pacs.hung_up, endless_pacs.sent
+    assert peak < 16 * 2**20, f"{peak / 2**20:.1f} MiB"
+    assert took < 60, took
