@@ -87,7 +87,8 @@ class DecodePool:
                 self._pool = None
                 self.replaced += 1
         if kill:  # a decode past its deadline: its process is stopped, not left to burn a core
-            for proc in list(getattr(broken, "_processes", {}).values()):  # the executor's own process table
+            # the executor's own process table; None once that pool was shut down (a close while this call waited)
+            for proc in list((getattr(broken, "_processes", None) or {}).values()):
                 proc.kill()
         broken.shutdown(wait=False, cancel_futures=True)
 

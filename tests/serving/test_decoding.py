@@ -127,3 +127,24 @@ def test_call_past_the_deadline_raises_its_message_and_warm_with_reaches_the_pro
         p.close()
     p0 = DecodePool(0)  # no processes: in a thread of this process
     assert asyncio.run(p0.call(os.getpid, late="late", crashed="crashed")) == os.getpid()
+
+
+def test_a_call_past_its_deadline_on_a_pool_closed_meanwhile_is_its_422_not_an_attribute_error():
+    """The service's shutdown closes the pool while a request still waits on it: that request's deadline must end in
+    its own 422 (the processes already gone), not in an AttributeError from the shut-down executor's table."""
+    import time
+
+    p = DecodePool(1, deadline=0.5)
+    p.warm()
+
+    async def close_while_waiting():
+        task = asyncio.ensure_future(p.call(functools.partial(time.sleep, 3), late="too long", crashed="crashed"))
+        await asyncio.sleep(0.1)
+        p.close()  # shutdown(wait=False): the executor's process table becomes None
+        return await task
+
+    try:
+        with pytest.raises(UnprocessableImage, match="too long"):
+            asyncio.run(close_while_waiting())
+    finally:
+        p.close()
