@@ -89,6 +89,8 @@ def plain_summary(meta: dict[str, Any]) -> dict[str, Any]:
       the package measured (empty without metrics);
     - `groups`: [(heading, [(class, whole %)], note)] recognised well / sometimes missed / often missed / not
       measured, empty groups left out, from the per-class accuracy on the test split (each class's recall);
+    - `status`: one sentence, first where a person looks: what it is for (research and evaluation) and not (a
+      certified medical device);
     - `not_for`: [sentence] what it must not be used for;
     - `measured`: where the numbers come from, in one plain line (None without metrics)."""
     names = [str(c) for c in meta.get("class_names") or []]
@@ -141,14 +143,19 @@ def plain_summary(meta: dict[str, Any]) -> dict[str, Any]:
         measured = (f"Measured on the {dataset} test images held out from training: a class's share found is the "
                     "part of its test images labelled correctly, and the accuracy for a case mix weighs those shares "
                     "by how common each class is in that mix.")
-    return {"what": what, "accuracy": [(w, p) for w, p, _ in accuracy], "groups": groups, "not_for": not_for,
-            "measured": measured}
+    return {"what": what, "status": STATUS, "accuracy": [(w, p) for w, p, _ in accuracy], "groups": groups,
+            "not_for": not_for, "measured": measured}
+
+
+# what every package is, said first on the page and in the card (the card's limitations say it again)
+STATUS = ("For research and evaluation only: not a certified medical device, and not for diagnosis without a "
+          "clinician.")
 
 
 def summary_markdown(meta: dict[str, Any]) -> list[str]:
     """The summary as Markdown lines (the model card's first section)."""
     s = plain_summary(meta)
-    lines = ["## In short", "", s["what"], ""]
+    lines = ["## In short", "", s["what"], "", f"**{s['status']}**", ""]
     if s["accuracy"]:
         lines += ["**How often it is right**", ""] + [f"- {p} {w}" for w, p in s["accuracy"]] + [""]
     if s["groups"]:

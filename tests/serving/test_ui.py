@@ -145,6 +145,9 @@ def test_plain_summary_opens_each_model_and_the_card(server, gtafl_pkg, dafl_pkg
             [where] = [h for h, items in groups.items() if f'"summary-class">{c} ({100 * a:.0f}%)<' in items]
             assert where.startswith(want), (c, a, where)
         assert "A diagnosis on its own" in text and f"Findings outside its {len(pkg.class_names)} classes" in text
+        # what it is, before any number: a person who reads one line learns it is no medical device
+        status = text.index("For research and evaluation only: not a certified medical device")
+        assert text.index("classes: ") < status < text.index("How often it is right")
         n_train, pre = meta["data_provenance"]["n_train"], meta["input"]["preprocess"]
         kind = {1: "greyscale", 3: "colour"}[pre["channels"]]
         dataset = meta["training"]["run_config"]["dataset"]
