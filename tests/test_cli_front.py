@@ -135,6 +135,79 @@ def test_verbose_shows_the_traceback_behind_an_error(tmp_path):
     assert res.returncode == 2 and "Traceback" in res.stderr and "tafl: error:" in res.stderr
 
 
+# every verb, given a mistake that leaves it nothing to do: exit 2 and one `tafl: error:` line (the README's
+# sentence on exit status; without torch the training verbs fail the same way, naming the train extra)
+NOTHING_TO_DO = {
+    "tafl train": ["train", "--out", "o", "--config", "missing.yaml"],
+    "tafl eval": ["eval", "missing.pt"],
+    "tafl compare": ["compare", "no-run"],
+    "tafl explain": ["explain", "missing.pt", "x.png"],
+    "tafl export": ["export", "missing.pt", "--out", "pkg"],
+    "tafl keys new": ["keys", "new", "--out", "a-file"],
+    "tafl packages list": ["packages", "list", "empty"],
+    "tafl predict": ["predict", "x.png", "--url", "http://127.0.0.1:3000/predict"],
+    "tafl score": ["score", "empty", "--out", "r.csv", "--package", "pkg"],
+    "tafl retrain": ["retrain", "--from", "no-pkg"],
+    "tafl serve": ["serve", "no-pkg", "--port", "1"],
+    "tafl dicom-listen": ["dicom-listen", "--package", "no-pkg", "--out-dir", "srs"],
+    "tafl demo": ["demo", "--out", "a-file/demo"],
+}
+
+
+def test_every_verb_has_its_nothing_to_do_case():
+    assert set(NOTHING_TO_DO) == set(VERBS)
+
+
+@pytest.mark.parametrize("verb", sorted(NOTHING_TO_DO))
+def test_every_verb_exits_2_when_nothing_could_be_done(tmp_path, verb):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "x.png").write_text("not an image")
+    res = subprocess.run([*TAFL, *NOTHING_TO_DO[verb]], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         stdin=subprocess.DEVNULL)
+    one_error_line(res, "")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "pkg").exists()
+
+
+def test_a_url_that_names_a_route_says_to_give_the_root(tmp_path):
+    img = tmp_path / "x.png"
+    img.write_bytes(b"\x89PNG\r\n\x1a\n")
+    for url, root in (("http://127.0.0.1:3150/predict", "http://127.0.0.1:3150"),
+                      ("http://host:3000/tafl/predict/batch/", "http://host:3000/tafl"),
+                      ("http://host:3000/v2/models/derm/infer", "http://host:3000")):
+        one_error_line(run("predict", str(img), "--url", url), f"give the service's root, {root} ")
+    one_error_line(run("score", str(tmp_path), "--out", str(tmp_path / "r.csv"), "--url",
+                       "http://127.0.0.1:3150/models"), "give the service's root, http://127.0.0.1:3150 ")
+
+
+def test_a_url_that_is_not_a_tafl_service_says_what_the_url_must_be(tmp_path):
+    """A real HTTP server that is not tafl (a proxy's other site, a wrong port): its bare 404 is explained."""
+    import http.server
+    import threading
+
+    img = tmp_path / "x.png"
+    img.write_bytes(b"\x89PNG\r\n\x1a\n")
+    class NotTafl(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # what BentoML or a proxy says for a path it does not have
+            self.send_response(404)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", "9")
+            self.end_headers()
+            self.wfile.write(b"Not Found")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotTafl)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/tafl"
+        line = one_error_line(run("predict", str(img), "--url", url), "must be the service's root")
+        assert f"{url}/predict answered 404 Not Found" in line, line
+    finally:
+        httpd.shutdown()
+
+
 def test_help_and_top_level_usage_name_the_demo():
     res = run("--help")
     assert res.returncode == 0 and "tafl demo" in res.stdout

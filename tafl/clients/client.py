@@ -109,7 +109,23 @@ def service_url(url: str) -> str:
         raise ConfigError(f"service URL {text!r} needs http:// or https:// in front, e.g. {hint}")
     if not text.split("://", 1)[1].strip("/"):
         raise ConfigError(f"service URL {text!r} names no host, e.g. http://127.0.0.1:3000")
-    return text.rstrip("/")
+    text = text.rstrip("/")
+    url = httpx.URL(text)
+    path = url.path.rstrip("/")
+    for route in SERVICE_ROUTES:  # a proxy may put the service under a path of its own; a route is never its root
+        at = path.find("/v2/") if route == "v2" else -1  # the inference protocol's routes run on under /v2/
+        if path.endswith("/" + route):
+            at = len(path) - len(route) - 1
+        if at >= 0:
+            root = str(url.copy_with(path=path[:at] or "/", query=None, fragment=None)).rstrip("/")
+            raise ConfigError(f"service URL {text!r} names the route {path[at:]}: give the service's root, {root} "
+                              "(the client adds /predict and the other routes itself)")
+    return text
+
+
+# the service's own routes (tafl/serving/service.py, oip.py): what a root URL never ends in
+SERVICE_ROUTES = ("predict/batch", "predict", "heatmap", "models", "healthz", "livez", "readyz", "metrics",
+                  "openapi.json", "admin/reload", "docs", "v2")
 
 
 def _raise_for(r: httpx.Response) -> None:
@@ -120,6 +136,10 @@ def _raise_for(r: httpx.Response) -> None:
         msg, code = err.get("message", r.text[:200]), err.get("code", "")
     except (ValueError, KeyError, TypeError):
         msg, code = r.text[:200] or r.reason_phrase, ""
+        if r.status_code in (404, 405, 501):  # not the service's own answer: the URL is not a tafl service's root
+            msg = (f"{r.request.url} answered {r.status_code} {r.reason_phrase}, not as a tafl service would: the "
+                   "service URL must be the service's root (the address `tafl serve` printed, e.g. "
+                   "http://127.0.0.1:3000, where GET /readyz answers), not one of its routes")
     raise ServiceCallError(r.status_code, msg, code, r.headers.get("X-Request-ID"))
 
 
