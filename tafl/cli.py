@@ -3,6 +3,11 @@
 Every `RunConfig` field is also a flag (`--local-epochs 2`), so a YAML config and the command
 line share one vocabulary; flags override the file. Errors a user can cause print one line
 (`tafl: error: ...`) and exit 2; Ctrl-C exits 130 and says how to resume.
+
+Exit status, the same for every verb (README, "Verbs"): 0 when everything asked was done; 1 when some inputs were
+answered and others not (`predict`, `score`, `packages list`: each failure is reported beside the answers); 2 when
+nothing could be done (a mistake to fix: a bad flag, file, config or URL, a service that cannot be reached, or no
+input answered at all); 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -83,17 +88,46 @@ def config_overrides(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ verbs
+def outcome(answered: int, failed: int) -> int:
+    """The exit status of a verb over many inputs: 0 all answered, 1 some answered and some not, 2 none answered."""
+    if not failed:
+        return 0
+    return 1 if answered else 2
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
     from tafl.training.config import load_config
     from tafl.training.simulator import train
 
-    cfg = load_config(ns.config, config_overrides(ns))
+    cfg = (_resumed_config(ns, Path(ns.out)) if ns.resume and not ns.config else None) \
+        or load_config(ns.config, config_overrides(ns))
     if cfg.engine == "flower":
         report = _flower_simulation()(cfg, ns.out, resume=ns.resume, force=ns.force)
     else:
         report = train(cfg, ns.out, resume=ns.resume, force=ns.force, progress=None if not ns.no_progress else False)
     _print_summary(report, Path(ns.out))
     return 0
+
+
+def _resumed_config(ns: argparse.Namespace, out: Path, base=None):
+    """`--out DIR --resume`: the run's own configuration (DIR/run.json), with the flags given beside --resume on top,
+    so that train checks only those against the run (today only `rounds` may change). None where DIR holds no run:
+    train then says so."""
+    from tafl.errors import RunDirError
+    from tafl.training.config import RunConfig
+
+    run_json = out / "run.json"
+    if not run_json.is_file():
+        return None
+    try:
+        saved = json.loads(run_json.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunDirError(f"--resume: {run_json} is not a readable tafl run ({exc}); start again with --force") \
+            from None
+    cfg = RunConfig.from_dict(saved, str(run_json))
+    if base is not None:  # retrain: a --config file's keys, as they were given to the first command
+        cfg.update(base, "--config")
+    return cfg.update(config_overrides(ns), "command line").validate()
 
 
 def _flower_simulation():
@@ -154,7 +188,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     samples = _demo_samples(root / "samples", report)
     if ns.no_serve:
         return 0
-    return _demo_serve(pkg_dir, samples, ns.port, ns.serve_seconds)
+    return _demo_serve(pkg_dir, samples, ns.port, ns.serve_seconds, report["test_distributions"]["uniform"]["accuracy"])
 
 
 def _demo_samples(folder: Path, report: dict) -> list[Path]:
@@ -175,7 +209,8 @@ def _demo_samples(folder: Path, report: dict) -> list[Path]:
     return out
 
 
-def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: float | None) -> int:
+def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: float | None,
+                accuracy: float) -> int:
     """Start the service, call it once, print lines to try, then keep serving until Ctrl-C or SIGTERM (or for
     `seconds`), with or without a terminal: a script that runs the README's one-liner can use the lines."""
     import signal
@@ -196,13 +231,21 @@ def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: f
     try:
         server = ServerProcess([str(pkg_dir)], port=port, log_path=pkg_dir.parent / "service.log")
         server.start()
-        with open(samples[1], "rb") as fh:
-            r = httpx.post(f"{server.url}/predict", files={"file": (samples[1].name, fh, "image/png")}, timeout=30)
-        r.raise_for_status()
-        body = r.json()
-        votes = ", ".join(f"{e['name']}={e['class_name']}" for e in body["experts"])
-        print(f"  {samples[1].name} -> class {body['class_name']} (p={body['probability']:.2f}; experts {votes}; "
-              f"{body['timing_ms']['total']:.0f} ms)")
+        wrong = 0
+        for sample in samples:  # each answer beside the digit it shows: a small model gets some wrong, said so
+            with open(sample, "rb") as fh:
+                r = httpx.post(f"{server.url}/predict", files={"file": (sample.name, fh, "image/png")}, timeout=30)
+            r.raise_for_status()
+            body = r.json()
+            truth = sample.stem.rsplit("_", 1)[-1]
+            votes = ", ".join(f"{e['name']}={e['class_name']}" for e in body["experts"])
+            mark = "right" if body["class_name"] == truth else "WRONG"
+            wrong += mark == "WRONG"
+            print(f"  {sample.name} (a {truth}) -> class {body['class_name']}, {mark} (p={body['probability']:.2f}; "
+                  f"experts {votes}; {body['timing_ms']['total']:.0f} ms)")
+        if wrong:
+            print(f"  (a small model trained for minutes: it labels {100 * accuracy:.0f} % of the test digits "
+                  "correctly, so some samples come back wrong)")
         print(f"\nThe page: open {server.url}/ in a browser (the model card, its accuracy, try an image)")
         print("Try it:\n  curl -s -F file=@" + str(samples[0]) + f" {server.url}/predict")
         print(f"  curl -s -F file=@{samples[2]} -F heatmap=true {server.url}/predict | head -c 400")
@@ -302,20 +345,20 @@ def cmd_packages_list(ns: argparse.Namespace) -> int:
 
     rows = list_packages(ns.dir)
     if not rows:
-        print(f"no model packages under {ns.dir}")
-        return 1
+        raise DataError(f"no model packages under {ns.dir} (a package folder holds metadata.json, model.onnx and "
+                        "SHA256SUMS; `tafl export` writes one)")
     print(f"{'name':24} {'version':8} {'parent':8} {'method':7} {'avg':>6} {'F50':>6} {'B50':>6}  {'created':25} status")
     for r in sorted(rows, key=lambda r: (str(r.get("name")), str(r.get("version")))):
         print(f"{str(r.get('name'))[:24]:24} {str(r.get('version')):8} {str(r.get('parent_version') or '-'):8} "
               f"{str(r.get('method')):7} {pct(r.get('average_accuracy')):>6} {pct(r.get('forward50')):>6} "
               f"{pct(r.get('backward50')):>6}  {str(r.get('created')):25} {r['status']}  {r['path']}")
-    return 0
+    return outcome(sum(r["status"] == "ok" for r in rows), sum(r["status"] != "ok" for r in rows))
 
 
 def cmd_predict(ns: argparse.Namespace) -> int:
     """Every readable file is answered; each file that fails (unreadable here, or refused by the service) is its own
-    `tafl: error:` line on stderr and makes the exit status 1. A service that cannot be reached or refuses the token
-    stops the command (exit 2) after printing what was answered before."""
+    `tafl: error:` line on stderr. The exit status is 1 when some files were answered and 2 when none was. A service
+    that cannot be reached or refuses the token stops the command (exit 2) after printing what was answered before."""
     from tafl.clients.client import Client, ServiceCallError
 
     token = ns.token or os.environ.get("TAFL_API_TOKEN")
@@ -341,7 +384,8 @@ def cmd_predict(ns: argparse.Namespace) -> int:
     _print_predictions(rows, ns.json)
     if fatal is not None:
         raise fatal
-    return 1 if any("error" in r for r in rows) else 0
+    failed = sum("error" in r for r in rows)
+    return outcome(len(rows) - failed, failed)
 
 
 def _prediction_row(f: str, p, heat_dir: Path | None) -> dict[str, Any]:
@@ -411,7 +455,7 @@ def cmd_score(ns: argparse.Namespace) -> int:
         print_summary(summary)
         if ns.store_sr:
             print(f"SRs filed to {summary['source']}: {summary['stored_sr']}; refused: {summary['sr_refused']}")
-        return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
+        return _score_status(summary)
     if not ns.folder:
         raise ConfigError("give the FOLDER to score, or --dicomweb URL to score from a PACS")
     if dicomweb_only:
@@ -424,7 +468,13 @@ def cmd_score(ns: argparse.Namespace) -> int:
                            dicom_out=ns.dicom_out, dicom_heatmap=ns.dicom_heatmap, sr_processes=None,
                            site_mix=site_mix)
     print_summary(summary)
-    return 1 if summary["predicted"] == 0 and summary["scored_now"] > 0 else 0
+    return _score_status(summary)
+
+
+def _score_status(summary: dict[str, Any]) -> int:
+    """Rows that failed (and SRs refused by the PACS or not written) against rows predicted in this run."""
+    failed = len(summary["failed"]) + len(summary.get("dicom_failed") or ()) + int(summary.get("sr_refused") or 0)
+    return outcome(summary["predicted"], failed)
 
 
 def cmd_retrain(ns: argparse.Namespace) -> int:
@@ -439,16 +489,20 @@ def cmd_retrain(ns: argparse.Namespace) -> int:
     if pkg.checkpoint_path is None:
         raise PackageError(f"{pkg.path} carries no checkpoint.pt to continue training from")
     ck = load_checkpoint(pkg.checkpoint_path)
-    cfg = RunConfig.from_dict(ck["run_config"], "the package's training config")
+    changes: dict[str, Any] = {}
     if ns.config:
         import yaml
 
         try:
-            cfg.update(yaml.safe_load(Path(ns.config).read_text()) or {}, ns.config)
+            changes = yaml.safe_load(Path(ns.config).read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"cannot read --config {ns.config}: {exc}") from exc
-    cfg.update(config_overrides(ns), "command line")
     out = Path(ns.out or f"runs/retrain-{pkg.name}-{pkg.version}")
+    ns.out = str(out)  # for the resume hint after Ctrl-C
+    # --resume continues with the retraining run's own configuration; a fresh one starts from the package's
+    cfg = (_resumed_config(ns, out, changes) if ns.resume else None) or \
+        RunConfig.from_dict(ck["run_config"], "the package's training config").update(changes, str(ns.config)) \
+        .update(config_overrides(ns), "command line")
     parent = {"name": pkg.name, "version": pkg.version, "path": str(pkg.path.resolve())}
     print(f"retraining {pkg.name} {pkg.version} ({ck['method']}) for {cfg.rounds} more round(s) on "
           f"{cfg.dataset} into {out}", flush=True)
@@ -506,7 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "configs/*.yaml is also a flag below; flags override the file.")
     t.add_argument("--config", help="YAML run configuration (configs/*.yaml)")
     t.add_argument("--out", required=True, help="run folder: checkpoints, final.pt, report.{json,md}, accuracy.png")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint, with its own "
+                   "configuration (run.json); flags given beside it must match the run, but --rounds may grow")
     t.add_argument("--force", action="store_true", help="replace an earlier run in --out")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_flags(t)
@@ -628,7 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the package to continue from (its checkpoint.pt and training config)")
     rt.add_argument("--config", help="YAML with the keys to change (data, rounds, ...)")
     rt.add_argument("--out", help="run folder (default runs/retrain-NAME-VERSION)")
-    rt.add_argument("--resume", action="store_true", help="continue the retraining run in --out")
+    rt.add_argument("--resume", action="store_true",
+                    help="continue the retraining run in --out with its own configuration (its run.json)")
     rt.add_argument("--force", action="store_true", help="replace an earlier run in --out")
     rt.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_flags(rt)
@@ -762,8 +818,24 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a file or folder the user named: missing, unreadable, a disk that is full
         return fail(f"{exc.filename}: {exc.strerror or exc}" if exc.filename else str(exc.strerror or exc))
     except KeyboardInterrupt:
-        print("tafl: interrupted; a training run continues with `tafl train --out DIR --resume`", file=sys.stderr)
+        print(f"tafl: interrupted{_resume_hint(ns)}", file=sys.stderr)
         return 130
+
+
+def _resume_hint(ns: argparse.Namespace) -> str:
+    """How the interrupted verb continues, as a command to copy; nothing where there is nothing to continue."""
+    import shlex
+
+    out = getattr(ns, "out", None)
+    if ns.verb in ("train", "retrain"):
+        run = Path(out) if out else None
+        if run is None or not (run / "run.json").is_file():
+            return "; no round had finished, so nothing was kept: run the same command again"
+        first = ["--from", ns.from_pkg] if ns.verb == "retrain" else []
+        return f"; it continues with: tafl {ns.verb} {shlex.join([*first, '--out', str(out)])} --resume"
+    if ns.verb == "score" and out and Path(out).exists():
+        return "; every row written is complete: run the same command with --resume to finish"
+    return ""
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -133,6 +133,70 @@ def test_kill_then_resume_and_eval(tmp_path):
     assert (tmp_path / "ev" / "report.json").is_file() and (tmp_path / "ev" / "accuracy.png").is_file()
 
 
+def _drop_timing(report):
+    """A report without what differs between any two runs of the same config: the seconds things took."""
+    if isinstance(report, dict):
+        return {k: _drop_timing(v) for k, v in report.items() if k not in ("timing", "seconds")}
+    if isinstance(report, list):
+        return [_drop_timing(v) for v in report]
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verb", ["train", "retrain"])
+def test_ctrl_c_then_the_printed_command_finishes_the_run(tmp_path, verb, gtafl_pkg):
+    """Ctrl-C (a real SIGINT) prints how the run continues; that command, run literally (no --config, no flags),
+    continues with the run's own configuration and ends with the report of an uninterrupted run."""
+    import json
+    import re
+    import shlex
+
+    import numpy as np
+
+    if verb == "train":  # flags that differ from every default, as a user's first command has them
+        first = ["train", "--config", str(CONFIGS / "smoke.yaml"), "--method", "fedavg", "--lr", "0.07"]
+    else:
+        first = ["retrain", "--from", str(gtafl_pkg), "--lr", "0.07"]
+    first += ["--rounds", "4", "--no-progress"]
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*TAFL, *first, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, cwd=tmp_path)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((out / "checkpoints").glob("round_0002.pt")):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the terminal's whole foreground group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert not (out / "final.pt").exists(), "the run finished before it could be interrupted"
+    said = re.search(r"^tafl: interrupted; it continues with: (tafl .*)$", err, re.M)
+    assert said, err
+    words = shlex.split(said.group(1))
+    assert "--config" not in words and "--lr" not in words  # the printed command is the short one
+    res = subprocess.run([*TAFL, *words[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming after round" in res.stderr
+
+    ref = tmp_path / "ref"
+    res = run(*first, "--out", str(ref), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = (json.loads((d / "report.json").read_text()) for d in (out, ref))
+    assert a["config"]["lr"] == 0.07 and a["rounds_run"] == 4
+    assert _drop_timing(a) == _drop_timing(b)
+    wa = torch.load(out / "final.pt", weights_only=True)["state"]["weights"]
+    wb = torch.load(ref / "final.pt", weights_only=True)["state"]["weights"]
+    assert all(np.array_equal(wa[k].numpy(), wb[k].numpy()) for k in wa)
+
+
+def test_resume_checks_only_the_flags_given_beside_it(tmp_path):
+    """--resume with a flag that contradicts the run is refused naming it; only --rounds may change."""
+    out = tmp_path / "o"
+    res = run("train", "--config", str(CONFIGS / "smoke.yaml"), "--method", "fedavg", "--rounds", "1",
+              "--out", str(out), "--no-progress")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert_clean_error(run("train", "--out", str(out), "--resume", "--method", "gtafl"), "'method' was 'fedavg'")
+    assert_clean_error(run("train", "--out", str(tmp_path / "none"), "--resume"), "holds no tafl run")
+
+
 @pytest.mark.slow
 def test_demo_without_a_terminal_keeps_serving_and_its_printed_lines_answer(tmp_path):
     """The README's main command run from a script (no terminal): GTAFL on digits, the verified package, the
@@ -160,7 +224,12 @@ def test_demo_without_a_terminal_keeps_serving_and_its_printed_lines_answer(tmp_
         out = "".join(lines)
         assert "Serving until Ctrl-C" in out, out[-3000:] + proc.stderr.read()[-3000:] if proc.poll() else out
         assert "gtafl on digits: mean prior-weighted accuracy" in out
-        assert "tafl-demo 1.0.0: 3 experts, hard vote" in out and "digit_3.png -> class" in out
+        assert "tafl-demo 1.0.0: 3 experts, hard vote" in out
+        answers = re.findall(r"digit_(\d)\.png \(a (\d)\) -> class (\d), (right|WRONG)", out)
+        assert len(answers) == 3 and all(a == b for a, b, _, _ in answers), out
+        assert all((said == truth) == (mark == "right") for _, truth, said, mark in answers), out
+        # a wrong answer is never printed without saying that the small model gets some wrong
+        assert ("some samples come back wrong" in out) == any(m == "WRONG" for *_, m in answers), out
         page = re.search(r"open (http://127\.0\.0\.1:\d+/) in a browser", out)
         assert page and httpx.get(page.group(1), timeout=30).status_code == 200
         curls = [ln.strip() for ln in lines if ln.strip().startswith("curl ")]

@@ -95,5 +95,10 @@ def test_the_readme_recipes_run_as_written(tmp_path):
         models = httpx.get(f"http://127.0.0.1:{port}/models", timeout=30).json()["models"]
         assert [m["version"] for m in models] == ["1.1.0"], models
         assert (work / "result-sr.dcm").stat().st_size > 0 and (work / "results.csv").is_file()
+        written = sorted(p.name + ("/" if p.is_dir() else "") for p in work.iterdir() if p.name != "configs")
+        if shutil.which("git") and (REPO / ".git").exists():  # in a clone, git does not show what they wrote
+            res = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True,
+                                 text=True)
+            assert sorted(res.stdout.split()) == written, (written, res.stdout, res.stderr)
     finally:
         stop_group(server, 30)  # SIGTERM drains it; what is left of its tree after 30 s is killed

@@ -300,7 +300,7 @@ class Pacs:
                 content_type = answer.headers.get("Content-Type", "")
             parts = multipart_parts(content_type, data)
             if len(parts) != 1:
-                raise PacsRefused(f"answered {len(parts)} parts for one instance", 502)
+                raise PacsRefused(f"WADO-RS answered {len(parts)} parts for one instance", 502)
             if len(parts[0]) > limit:
                 raise TooLarge(f"the instance is {len(parts[0]) / 2**20:.1f} MiB, over the {mib} upload limit "
                                "(TAFL_MAX_UPLOAD_MB)")
@@ -510,7 +510,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
             except TooLarge as exc:
                 return ref, None, f"error:413 PayloadTooLarge: {exc.message}"
             except PacsRefused as exc:
-                return ref, None, f"error:WADO-RS {exc.message}"
+                return ref, None, f"error:{exc.message}"  # PacsRefused names the request (WADO-RS ...) itself
             try:
                 ds = _header(data)
             except Exception as exc:  # pydicom raises many kinds on a damaged file

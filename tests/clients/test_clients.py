@@ -201,6 +201,42 @@ def test_tafl_predict_cli(server, tmp_path):
     assert down.returncode == 2 and "cannot reach" in down.stderr and "Traceback" not in down.stderr
 
 
+def test_exit_status_is_1_when_some_inputs_failed_and_2_when_none_was_answered(server, gtafl_pkg, tmp_path):
+    """The README's rule, for the verbs over many inputs: 0 all answered, 1 some, 2 none."""
+    import shutil
+
+    good, bad = tmp_path / "in" / "a.png", tmp_path / "in" / "notes.png"
+    good.parent.mkdir()
+    good.write_bytes(digit_png(1))
+    bad.write_text("a text file named like an image")
+
+    def tafl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*TAFL, *args], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+    assert tafl("predict", str(good), "--url", server.url).returncode == 0
+    only_bad = tafl("predict", str(bad), "--url", server.url)
+    assert only_bad.returncode == 2 and only_bad.stderr.count("tafl: error:") == 1, only_bad.stderr
+    both = tafl("predict", str(good), str(bad), "--url", server.url)
+    assert both.returncode == 1 and "a.png" in both.stdout and "notes.png" in both.stderr, both
+
+    bad.write_bytes(digit_png(2)[:60])  # scoring skips what is no image at all; a cut PNG is an image that fails
+    both = tafl("score", str(good.parent), "--out", str(tmp_path / "r.csv"), "--package", str(gtafl_pkg),
+                "--no-progress")
+    assert both.returncode == 1 and "failed: " in both.stdout, both
+    good.unlink()
+    only_bad = tafl("score", str(good.parent), "--out", str(tmp_path / "r2.csv"), "--package", str(gtafl_pkg),
+                    "--no-progress")
+    assert only_bad.returncode == 2, only_bad
+
+    shelf = tmp_path / "shelf"
+    shutil.copytree(gtafl_pkg, shelf / "good")
+    assert tafl("packages", "list", str(shelf)).returncode == 0
+    shutil.copytree(gtafl_pkg, shelf / "tampered")
+    (shelf / "tampered" / "model.onnx").write_bytes(b"not the model that was signed off")
+    listed = tafl("packages", "list", str(shelf))
+    assert listed.returncode == 1 and "REFUSED" in listed.stdout and " ok " in listed.stdout, listed
+
+
 def test_wrong_token_is_a_clear_error(auth_server, tmp_path):
     f = tmp_path / "a.png"
     f.write_bytes(digit_png(1))
