@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,10 +38,11 @@ from tafl.serving.launch import ServerProcess  # noqa: E402
 STEADY = 1.2  # the in-process ceilings before and after a round agree within this factor
 
 VARIANTS = {
-    "one call, ORT's own threads (the default)": {},
-    "2 lanes": {"TAFL_MODEL_LANES": "2"},
-    "3 lanes": {"TAFL_MODEL_LANES": "3"},
+    "the default (no TAFL_* setting: chosen at start)": {},
+    "1 worker, 1 lane (the default before 2026-12-07)": {"TAFL_WORKERS": "1", "TAFL_MODEL_LANES": "1"},
 }
+# the settings a variant names, or leaves to the service's choice: none comes from the shell that runs this
+SERVING_SETTINGS = ("TAFL_WORKERS", "TAFL_MODEL_LANES", "TAFL_ORT_THREADS", "TAFL_SERVING_PLAN", "TAFL_ADMIN_TOKEN")
 
 
 def summarize(rows: dict[str, list[dict]], variants: dict[str, dict]) -> dict[str, dict]:
@@ -69,7 +71,8 @@ def main() -> int:
     ap.add_argument("package")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=10)
-    ap.add_argument("--variants", help="JSON: variant name -> TAFL_* environment (default: 1, 2 and 3 lanes)")
+    ap.add_argument("--variants", help="JSON: variant name -> TAFL_* environment (default: the chosen default "
+                    "and the single call it replaced)")
     ap.add_argument("--name", help="the results' name: benchmarks/results/serving_lanes_NAME.{json,md} (default: the "
                     "package's name)")
     ap.add_argument("--report", metavar="JSON", help="only write the tables again from an earlier run's JSON")
@@ -80,6 +83,8 @@ def main() -> int:
         return report(ns, earlier["rounds"], {k: v["env"] for k, v in earlier["summary"].items()},
                       load_package(Path(ns.package).resolve()).metadata, earlier["date"])
     variants = json.loads(ns.variants) if ns.variants else VARIANTS
+    for name in SERVING_SETTINGS:
+        os.environ.pop(name, None)
     pkg = Path(ns.package).resolve()
     meta = load_package(pkg).metadata
     data = images(256)
@@ -93,7 +98,9 @@ def main() -> int:
                                log_path=logs / "serving_lanes.log") as srv:
                 wrk_load(srv.url, data[0], 32, seconds=3)
                 w = wrk_load(srv.url, data[0], 32, seconds=ns.seconds)
-                sizes = httpx.get(srv.url + "/models").json()["models"][0]["recent_batch_sizes"]
+                models = httpx.get(srv.url + "/models").json()
+                sizes = models["models"][0]["recent_batch_sizes"]
+                served_by = {"workers": models["worker"]["workers"], "lanes": models["models"][0]["lanes"]}
             if not w:
                 sys.exit("wrk is not installed (apt-get install wrk)")
             after = in_process(pkg, data)["throughput_img_s"]
@@ -102,12 +109,13 @@ def main() -> int:
                    "errors": w["errors"], "ceiling_img_s": ceiling, "ratio": w["throughput_img_s"] / ceiling,
                    "ceiling_before": before, "ceiling_after": after,
                    "steady": max(before, after) <= STEADY * min(before, after),
-                   "mean_batch": sizes["mean"],
+                   "mean_batch": sizes["mean"], **served_by,
                    "core_ms_beyond_model": 2000 * (1 / w["throughput_img_s"] - 1 / ceiling)}
             rows[name].append(row)
             moved = "" if row["steady"] else " (ceiling moved)"
             print(f"round {r} {name}: {row['img_s']:.0f} img/s, ceiling {before:.0f} / {after:.0f}, ratio "
-                  f"{row['ratio']:.2f}{moved}, mean batch {row['mean_batch']:.1f}", flush=True)
+                  f"{row['ratio']:.2f}{moved}, mean batch {row['mean_batch']:.1f}, {row['workers']} worker(s) x "
+                  f"{row['lanes']} lane(s)", flush=True)
     return report(ns, rows, variants, meta, time.strftime("%Y-%m-%d"))
 
 
@@ -128,12 +136,14 @@ def report(ns: argparse.Namespace, rows: dict[str, list[dict]], variants: dict[s
              f"ceiling: the median of each round's images/s over the mean of the ceilings measured just before and "
              f"after it, over the rounds where those two agree within {STEADY}x. Against the first: median over "
              "rounds of images/s divided by the first variant's in the same round.", "",
-             "| variant | img/s | ratio to in-process | per round, steady ceiling (rounds) | "
-             "core-ms beyond the model | against the first | p99 ms | img/s per round |", "|---|---|---|---|---|---|---|---|"]
+             "| variant | workers × lanes | img/s | ratio to in-process | per round, steady ceiling (rounds) | "
+             "core-ms beyond the model | against the first | p99 ms | img/s per round |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         per = ", ".join(f"{x['img_s']:.0f}" for x in rows[name])
         st = "–" if s["ratio_steady_rounds"] is None else f"{s['ratio_steady_rounds']:.2f} ({s['steady_rounds']})"
-        lines.append(f"| {name} | {s['median_img_s']:.0f} | **{s['ratio']:.2f}** | {st} | "
+        shape = f"{rows[name][0].get('workers', '?')} × {rows[name][0].get('lanes', '?')}"
+        lines.append(f"| {name} | {shape} | {s['median_img_s']:.0f} | **{s['ratio']:.2f}** | {st} | "
                      f"{s['core_ms_beyond_model']:.2f} | {s['vs_first_same_round']:.2f}× | {s['median_p99_ms']:.0f} | "
                      f"{per} |")
     (res / f"{stem}.md").write_text("\n".join(lines) + "\n")

@@ -118,6 +118,27 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def rss_by_role(pid: int) -> dict[str, float]:
+    """The server tree's resident MB by role: the BentoML arbiter, its workers, the workers' decoder processes
+    (spawned by multiprocessing), and anything else (circus, Prometheus): where a growth lives."""
+    out: Counter = Counter()
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    for q in procs:
+        try:
+            cmd, rss = " ".join(q.cmdline()), q.memory_info().rss
+        except psutil.Error:
+            continue
+        role = ("workers" if "_bentoml_impl.worker.service" in cmd else
+                "decoders" if "multiprocessing" in cmd else
+                "arbiter" if q.pid == pid or "bentoml_main" in cmd else "other")
+        out[role] += rss / 2**20
+    return {k: round(v) for k, v in sorted(out.items())}
+
+
 async def soak(url: str, pid: int, valid, hostile, labels, seconds: float, clients: int) -> dict:
     stop = time.perf_counter() + seconds
     codes: Counter = Counter()
@@ -182,9 +203,11 @@ async def soak(url: str, pid: int, valid, hostile, labels, seconds: float, clien
             await asyncio.sleep(0.5)
 
     t0 = time.perf_counter()
+    roles_start = rss_by_role(pid)
     await asyncio.gather(*(worker(k) for k in range(clients)), poll_health(), sample_memory())
     wall = time.perf_counter() - t0
     rss.append(tree_rss(pid))
+    roles_end = rss_by_role(pid)
     h = sorted(health)
     return {
         "seconds": wall, "clients": clients,
@@ -198,6 +221,7 @@ async def soak(url: str, pid: int, valid, hostile, labels, seconds: float, clien
         "rss_mb": {"start": rss[0] / 2**20, "peak": max(rss) / 2**20, "end": rss[-1] / 2**20,
                    "growth": (rss[-1] - rss[0]) / 2**20,
                    "every_5s": [round(v / 2**20) for v in rss[::10]]},
+        "rss_by_role_mb": {"start": roles_start, "end": roles_end},
     }
 
 
@@ -245,6 +269,9 @@ def main() -> int:
           f"| server RSS start / peak / end (MB) | {m['start']:.0f} / {m['peak']:.0f} / {m['end']:.0f} | |",
           f"| RSS growth (MB) | {m['growth']:.0f} | < 300 |",
           f"| RSS every 5 s (MB) | {' '.join(map(str, m['every_5s']))} | |",
+          "| RSS by role, start → end (MB) | " + ", ".join(
+              f"{k} {res['rss_by_role_mb']['start'].get(k, 0)} → {v}" for k, v in res["rss_by_role_mb"]["end"].items())
+          + " | |",
           f"| tracebacks in the service log | {res['tracebacks_in_service_log']} | 0 |", "",
           "Statuses: " + ", ".join(f"{k} ×{v}" for k, v in res["statuses"].items())]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")

@@ -703,10 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "file: prior=site decides for this mix, and where the model's case-mix estimator is centred on "
                     "the site's mix, prior=adaptive starts from it (default $TAFL_SITE_MIX; docs/guide.md)")
     sv.add_argument("--workers", type=int, metavar="N",
-                    help="worker processes, each with every package and its own event loop: on a CPU, 2 (with "
-                         "TAFL_MODEL_LANES=2) served a cheap model (a ViT) 1.3x the images of one worker with three "
-                         "lanes, at about twice the memory; for a compute-bound model use lanes alone; /admin/reload "
-                         "needs 1 (default: $TAFL_WORKERS or 1)")
+                    help="worker processes, each with every package and its own event loop (default: $TAFL_WORKERS, "
+                         "else chosen at start from the packages' measured cost: 2 where every model is cheap (a "
+                         "ViT-tiny), the machine has 2+ cores and the memory, and reloads are off; otherwise 1; "
+                         "/models says which and why); /admin/reload needs 1")
     sv.add_argument("--drain-seconds", type=float, metavar="S",
                     help="on SIGTERM, SIGINT or SIGHUP: requests in flight get up to S-5 s to finish, and "
                          "whatever of the server still runs after S s is killed; a second signal kills at once "

@@ -319,7 +319,8 @@ async def predict_batch(request: Request, call: Call) -> Response:
 @endpoint("/models", audited=False)
 async def models(request: Request, call: Call) -> Response:
     # with several workers (TAFL_WORKERS) each answers for itself: its batch sizes and its case-mix window
-    worker = {"workers": call.state.settings.workers, "pid": os.getpid()}
+    st = call.state.settings
+    worker = {"workers": st.workers, "workers_from": st.workers_from, "pid": os.getpid()}
     return JSONResponse({"models": call.state.registry.describe(), "worker": worker},
                         headers={"X-Request-ID": call.rid})
 

@@ -135,9 +135,10 @@ def spec(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "the models", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["models"], "properties": {
                         "models": {"type": "array"},
-                        "worker": {"type": "object", "description": "the worker process that answered (TAFL_WORKERS): "
-                                   "batch sizes and the case-mix window are its own",
-                                   "properties": {"workers": {"type": "integer"}, "pid": {"type": "integer"}}}}}}}},
+                        "worker": {"type": "object", "description": "the worker process that answered (TAFL_WORKERS, "
+                                   "else chosen at start, and why): batch sizes and the case-mix window are its own",
+                                   "properties": {"workers": {"type": "integer"}, "workers_from": {"type": "string"},
+                                                  "pid": {"type": "integer"}}}}}}}},
                     **_errors(401)}}},
             "/admin/reload": {"post": {
                 "summary": "load a package (a BentoML tag or a folder under the package root) and make it answer",

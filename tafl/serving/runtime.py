@@ -31,6 +31,7 @@ import numpy as np
 
 from tafl.errors import BadRequest, Forbidden, NotFound, PackageError
 from tafl.packaging.package import ModelPackage, load_package
+from tafl.serving.tuning import cpu_cores
 
 log = logging.getLogger("tafl.serving")
 
@@ -144,14 +145,6 @@ def reload_error(exc: PackageError, target: ReloadTarget) -> PackageError:
     if target.folder is not None:
         reason = reason.replace(f"{target.label}/", "").replace(f"{target.label}: ", "")
     return PackageError(f"{what} was refused: {reason}")
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def lane_threads(cores: int, lanes: int, workers: int = 1) -> int | None:
@@ -410,6 +403,7 @@ class LoadedModel:
     source: str
     loaded_at: float = field(default_factory=time.time)
     in_flight: int = 0
+    lanes_from: str = "default"  # why it has its lanes: TAFL_MODEL_LANES, or the rule the service chose by
     monitor: PriorMonitor | None = None  # the served case mix, for packages whose graph takes a prior
     site_prior: np.ndarray | None = None  # prior=site: this site's own mix (TAFL_SITE_MIX), for a prior-taking graph
 
@@ -425,7 +419,8 @@ class LoadedModel:
                 "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at)),
                 "recent_batch_sizes": {"count": len(sizes), "mean": float(np.mean(sizes)) if sizes else None,
                                        "max": max(sizes) if sizes else None},
-                "lanes": self.batcher.lanes,  # model calls in flight at once (TAFL_MODEL_LANES)
+                "lanes": self.batcher.lanes,  # model calls in flight at once (TAFL_MODEL_LANES, or chosen)
+                "lanes_from": self.lanes_from,
                 "case_mix": self.monitor.describe() if self.monitor else None,
                 "site_prior": None if self.site_prior is None else  # what prior=site decides for
                 dict(zip(self.package.class_names, map(float, self.site_prior)))}
@@ -435,7 +430,7 @@ class ModelRegistry:
     def __init__(self, refs: list[str], *, providers: list[str] | None = None, threads: int | None = None,
                  max_batch: int = 64, max_wait_ms: float = 2.0, prior_window: int = 500, prior_refresh: int = 50,
                  prior_min_images: int = 100, trusted_keys: Any = None, lanes: int | None = None,
-                 site_mix: str | None = None, workers: int = 1):
+                 site_mix: str | None = None, workers: int = 1, lanes_from: str = "default"):
         from tafl.packaging.signing import load_trusted_keys, trusted_keys_from_env
 
         # read once: every load and reload verifies against the keys the service started with (None:
@@ -450,7 +445,8 @@ class ModelRegistry:
             raise PackageError("no model packages configured: set TAFL_PACKAGES to package folders or BentoML tags")
         self.providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
         self.threads, self.max_batch, self.max_wait_ms = threads, max_batch, max_wait_ms
-        self.lanes = lanes  # model calls in flight per model (TAFL_MODEL_LANES); None: one
+        self.lanes = lanes  # model calls in flight per model (TAFL_MODEL_LANES, or the service's plan); None: one
+        self.lanes_from = lanes_from
         self.workers = max(1, workers)  # worker processes of the service, each with a registry like this one
         self.models: dict[str, LoadedModel] = {}
         self.order: list[str] = []
@@ -510,7 +506,7 @@ class ModelRegistry:
                                    self.prior_refresh, self.prior_min_images,
                                    blocked=adaptive_blocked(pkg.metadata.get("prior")), estimator=estimator)
         return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms, lanes), used, label or ref,
-                           monitor=monitor, site_prior=site_q)
+                           lanes_from=self.lanes_from, monitor=monitor, site_prior=site_q)
 
     def get(self, name: str | None) -> LoadedModel:
         with self.lock:

@@ -19,7 +19,7 @@ from tafl.serving.app import create_app
 from tafl.serving.context import STATE_KEY, ServingState
 from tafl.serving.http import ControlCharacterGuard
 from tafl.serving.runtime import ModelRegistry
-from tafl.serving.settings import Settings, check_service_env, max_concurrency, service_workers
+from tafl.serving.settings import Settings, check_service_env, max_concurrency, service_plan, service_workers
 
 log = logging.getLogger("tafl.serving")
 
@@ -53,7 +53,12 @@ CASE_MIX_SHIFT = bentoml.metrics.Gauge(
 # Admission: past `max_concurrency` requests in flight BentoML answers 429 at once (its health and metrics
 # routes are exempt), so a flood queues no unbounded work; read at import, as the decorator needs it.
 MAX_CONCURRENCY = max_concurrency()
-# worker processes (TAFL_WORKERS, default 1): BentoML starts them from the decorator, so it is read at import too
+# worker processes and model lanes: TAFL_WORKERS and TAFL_MODEL_LANES, else chosen from the packages' measured cost
+# and this machine (tafl.serving.tuning). BentoML starts the workers from the decorator, so the choice is made at
+# import, in the process that starts them, and handed to them in TAFL_SERVING_PLAN.
+if logging.getLogger("tafl").level == logging.NOTSET:  # BentoML shows its own INFO lines only: show tafl's too (the
+    logging.getLogger("tafl").setLevel(logging.INFO)   # plan, each package loaded and the providers it runs on)
+PLAN = service_plan()
 WORKERS = service_workers()
 
 # the ASGI app BentoML mounts; its routes are fixed, and its `state.tafl` is the worker's ServingState
@@ -75,7 +80,8 @@ class TaflService:
                                       max_wait_ms=settings.batch_wait_ms, prior_window=settings.prior_window,
                                       prior_refresh=settings.prior_refresh, prior_min_images=settings.prior_min_images,
                                       site_mix=settings.site_mix,
-                                      lanes=settings.model_lanes, workers=settings.workers)
+                                      lanes=settings.model_lanes, lanes_from=settings.lanes_from,
+                                      workers=settings.workers)
         self.state = ServingState.start(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
         setattr(APP.state, STATE_KEY, self.state)
         # what the worker loaded (BentoML, the packages, ONNX Runtime's Python side: ~150,000 objects) never becomes
@@ -83,9 +89,10 @@ class TaflService:
         # under load, 0.09 ms a request on average (docs/results.md §19.3); objects freed by reference count still are.
         gc.collect()
         gc.freeze()
-        log.info("tafl service ready with %s (auth %s)", ", ".join(f"{m['name']} {m['version']}"
-                                                                   for m in self.registry.describe()),
-                 "on" if settings.token else "off")
+        log.info("tafl service ready with %s (auth %s); %d worker(s): %s; %s model call(s) in flight per model: %s",
+                 ", ".join(f"{m['name']} {m['version']}" for m in self.registry.describe()),
+                 "on" if settings.token else "off", settings.workers, settings.workers_from,
+                 settings.model_lanes or 1, settings.lanes_from)
 
     @bentoml.on_shutdown
     def shutdown(self) -> None:

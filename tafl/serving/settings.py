@@ -4,12 +4,15 @@ variable, raised before anything starts (`check_service_env`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
 from tafl.errors import ConfigError
 from tafl.serving.decoding import default_processes
 from tafl.settings import env_float, env_int
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "tafl-model:latest"
 DEFAULT_MAX_UPLOAD_MB = 50.0
@@ -36,8 +39,10 @@ class Settings:
     max_batch: int = 64
     batch_wait_ms: float = 2.0
     ort_threads: int | None = None  # ONNX Runtime's threads per model call; None: its own, or cores // lanes
-    model_lanes: int | None = None  # model calls in flight at once per model; None: one
-    workers: int = 1  # BentoML worker processes (TAFL_WORKERS), each with every package, its own event loop and GIL
+    model_lanes: int | None = None  # model calls in flight at once per model; None: chosen (tafl.serving.tuning)
+    workers: int = 1  # BentoML worker processes (TAFL_WORKERS, else chosen), each with every package, loop and GIL
+    workers_from: str = "default"  # "TAFL_WORKERS", or why the service chose that count (its plan)
+    lanes_from: str = "default"  # "TAFL_MODEL_LANES", or why the service chose its lanes (its plan)
     audit_path: str | None = None
     prior_window: int = 500  # calibrated probability vectors kept per model for the case-mix estimate
     prior_refresh: int = 50  # served images between two estimates
@@ -58,7 +63,18 @@ class Settings:
         # the bento's envs outside a container)
         refs = [r.strip() for r in env.get("TAFL_PACKAGES", DEFAULT_PACKAGE).split(",") if r.strip()]
         token = env.get("TAFL_API_TOKEN") or None
-        workers = service_workers() if workers is None else workers
+        # what the service chose at start (tafl.serving.tuning); a process of its own count (the listener) has none
+        plan = handed_plan() if workers is None else None
+        if workers is None:
+            workers = service_workers()
+            workers_from = "TAFL_WORKERS" if env_int("TAFL_WORKERS", 0, minimum=0) else \
+                plan.workers_from if plan is not None else "default"
+        else:
+            workers_from = "this process alone"
+        lanes = env_int("TAFL_MODEL_LANES", 0, minimum=0) or None
+        lanes_from = "TAFL_MODEL_LANES" if lanes else "default"
+        if lanes is None and plan is not None:
+            lanes, lanes_from = plan.lanes, plan.lanes_from
         # the admin token never falls back to the API token: a client that may predict may not swap the model
         return cls(packages=refs, token=token, admin_token=env.get("TAFL_ADMIN_TOKEN") or None,
                    package_root=env.get("TAFL_PACKAGE_ROOT", "").strip() or None,
@@ -70,8 +86,7 @@ class Settings:
                    max_batch=env_int("TAFL_MAX_BATCH", 64),
                    batch_wait_ms=env_float("TAFL_BATCH_WAIT_MS", 2.0, inclusive=True),
                    ort_threads=env_int("TAFL_ORT_THREADS", 0, minimum=0) or None,  # unset: ORT's own or cores//lanes
-                   model_lanes=env_int("TAFL_MODEL_LANES", 0, minimum=0) or None,  # 0 or unset: one
-                   workers=workers,
+                   model_lanes=lanes, workers=workers, workers_from=workers_from, lanes_from=lanes_from,
                    audit_path=env.get("TAFL_AUDIT_LOG") or None,
                    prior_window=env_int("TAFL_PRIOR_WINDOW", 500),
                    prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
@@ -88,13 +103,61 @@ MAX_WORKERS = 64
 
 
 def service_workers() -> int:
-    """TAFL_WORKERS (default 1): the service's worker processes. Each loads every package and runs its own event loop
-    and batcher, so per-request Python work spreads over the cores instead of queueing on one interpreter lock
+    """The service's worker processes: TAFL_WORKERS, else the count the service chose at start (its plan, handed to
+    its workers in TAFL_SERVING_PLAN: tafl.serving.tuning), else 1. Each loads every package and runs its own event
+    loop and batcher, so per-request Python work spreads over the cores instead of queueing on one interpreter lock
     (docs/results.md §19.3); each also costs the packages' memory once more."""
-    n = env_int("TAFL_WORKERS", 1)
+    n = env_int("TAFL_WORKERS", 0, minimum=0)
     if n > MAX_WORKERS:
         raise ConfigError(f"TAFL_WORKERS must be at most {MAX_WORKERS}, got {n}")
-    return n
+    if n == 0 and os.environ.get("TAFL_WORKERS", "").strip():
+        raise ConfigError("TAFL_WORKERS must be positive, got '0'")
+    if n:
+        return n
+    plan = handed_plan()
+    return plan.workers if plan is not None else 1
+
+
+def _plan_inputs() -> tuple[list[str], int | None, int | None, bool]:
+    """What decides the service's plan: the packages, TAFL_WORKERS, TAFL_MODEL_LANES and whether reloads are on."""
+    refs = [r.strip() for r in os.environ.get("TAFL_PACKAGES", DEFAULT_PACKAGE).split(",") if r.strip()]
+    return (refs, env_int("TAFL_WORKERS", 0, minimum=0) or None, env_int("TAFL_MODEL_LANES", 0, minimum=0) or None,
+            bool(os.environ.get("TAFL_ADMIN_TOKEN")))
+
+
+def handed_plan():
+    """The plan the service chose at start for these settings (TAFL_SERVING_PLAN), or None: none was handed on, or
+    one chosen for other packages or settings (a program that imported the service, then started another)."""
+    from tafl.serving.tuning import PLAN_ENV, Plan, plan_key
+
+    raw = os.environ.get(PLAN_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        plan = Plan.from_json(raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{PLAN_ENV} is not a plan tafl wrote ({exc}); unset it") from None
+    return plan if plan.key == plan_key(*_plan_inputs()) else None
+
+
+def service_plan():
+    """The service's plan (tafl.serving.tuning.Plan): the one handed on, or chosen now for TAFL_PACKAGES from
+    TAFL_WORKERS, TAFL_MODEL_LANES, TAFL_ADMIN_TOKEN, the packages' measured cost and this machine, and handed on in
+    TAFL_SERVING_PLAN to the processes started after it (BentoML's workers)."""
+    from tafl.serving import tuning
+
+    plan = handed_plan()
+    if plan is not None:
+        return plan
+    refs, workers, lanes, reloads = _plan_inputs()
+    gpu = tuning.gpu_present()
+    costs = [] if (workers and lanes) or gpu else tuning.measure_refs(refs)  # what is set needs no measuring
+    plan = tuning.choose(costs, cores=tuning.cpu_cores(), gpu=gpu, reloads=reloads, available_mb=tuning.available_mb(),
+                         set_workers=workers, set_lanes=lanes, key=tuning.plan_key(refs, workers, lanes, reloads))
+    os.environ[tuning.PLAN_ENV] = plan.to_json()
+    log.info("serving with %d worker(s): %s; %d model call(s) in flight per model: %s", plan.workers,
+             plan.workers_from, plan.lanes, plan.lanes_from)
+    return plan
 
 
 def max_concurrency() -> int:

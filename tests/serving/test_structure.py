@@ -24,6 +24,7 @@ ALLOWED_CALLS = {
     "bentoml.metrics.Gauge": "Prometheus instruments are process-wide; the service declares them once",
     "max_concurrency": "an int read once from the environment",
     "service_workers": "an int read once from the environment",
+    "service_plan": "a frozen dataclass chosen once at start (tafl.serving.tuning.Plan), handed to the workers",
     "heatmap_legend": "the page's colour legend: an SVG string (Markup, a str)",
 }
 IMMUTABLE_NODES = (ast.Constant, ast.Tuple, ast.BinOp, ast.JoinedStr, ast.UnaryOp)

@@ -222,7 +222,9 @@ def hostile_server(hostile_pkg, tmp_path_factory):
     from tafl.serving.launch import ServerProcess
 
     home = tmp_path_factory.mktemp("bentoml_home_ui")
-    with ServerProcess([str(hostile_pkg)], env={"BENTOML_HOME": str(home)},
+    # one worker: the tests compare the page with /models and count the images it predicted, and with several
+    # workers each request answers for the worker that took it (its own case-mix window and counts)
+    with ServerProcess([str(hostile_pkg)], env={"BENTOML_HOME": str(home), "TAFL_WORKERS": "1"},
                        log_path=tmp_path_factory.mktemp("svc_ui") / "service.log") as srv:
         yield srv
 
