@@ -24,7 +24,19 @@ memory stays bounded by the cap per association (at most 16), whatever a sender 
 The same code path as the service: the upload decoder with the service's limits (TAFL_MAX_UPLOAD_MB,
 TAFL_MAX_PIXELS, TAFL_MAX_FRAMES; compressed DICOM in decoder processes, tafl.serving.decoding), the
 package's preprocessing, its ONNX graph, and the service's per-frame result (frame 0 is reported, as in
-the JSON answer). An instance that the service would refuse (4xx) is logged and moved to spool/failed/.
+the JSON answer). An instance that the service would refuse (4xx) is moved to spool/failed/, and the
+service's reason (the 422 body's message) is logged and written beside it, as `failed/NAME.dcm.reason.json`:
+{"status": 422, "error": "UnprocessableImage", "reason": "the DICOM pixel data ... could not be decoded, ...",
+"instance": "<uid hash>", "time": "2025-01-31T12:00:00Z"} (UTC), one key a line.
+
+Spool: `incoming/` (a C-STORE being written), `queue/` (acknowledged, waiting), `outgoing/` (an SR or SC
+being sent: removed once the destination answered Success, or when its C-STORE gave up; the spool file it
+came from stays until then), `failed/` (refused instances and their reasons).
+
+Stopping: SIGTERM or SIGINT stops accepting associations and drains the queue for up to DRAIN_SECONDS, a
+second signal stops at once; the log says how many instances it is draining, then what this run classified,
+delivered, failed and skipped, and how many stay in the spool for the next start (nothing is lost: a
+supervisor's SIGKILL during the drain is a crash, recovered as above).
 
 Logs carry no patient data: per instance only the first 12 hex digits of the sha256 of its SOP Instance
 UID (`tafl.imaging.dicom_sr.uid_hash`), the predicted class and timings; per association the calling AE
@@ -35,8 +47,10 @@ kept at WARNING or above and never include datasets.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import itertools
+import json
 import logging
 import os
 import queue
@@ -55,6 +69,9 @@ from tafl.serving.results import frame_result, overlay_frame
 log = logging.getLogger("tafl.dicom")
 
 SUCCESS, OUT_OF_RESOURCES, CANNOT_UNDERSTAND = 0x0000, 0xA700, 0xC000
+# how long SIGTERM waits for the queue: under a supervisor's grace (Kubernetes 30 s, systemd 90 s); a SIGKILL
+# after it is harmless, what was acknowledged is in the spool
+DRAIN_SECONDS = 25.0
 
 
 @dataclass
@@ -86,8 +103,9 @@ class Deliverer:
     neither decoded nor encoded again here); a pydicom Dataset is encoded by pynetdicom."""
 
     def __init__(self, dest: Destination, calling_ae: str, retries: int = 5, backoff: float = 0.5,
-                 scratch: Path | None = None):
+                 scratch: Path | None = None, halt: threading.Event | None = None):
         self.dest, self.calling_ae, self.retries, self.backoff = dest, calling_ae, retries, backoff
+        self.halt = halt or threading.Event()  # set: the listener is stopping, no further retries
         self._assoc = None
         if dest.folder is not None:
             dest.folder.mkdir(parents=True, exist_ok=True)
@@ -156,24 +174,37 @@ class Deliverer:
                 tmp.write_bytes(data)
                 os.replace(tmp, path)
             return
-        objects = self._files(objects)
+        # (what is sent, the scratch file written for it or None): an object the peer acknowledged is not sent
+        # again on a retry, and its scratch file goes at once, the peer holds it now
+        todo = [(x, x if isinstance(o, bytes) else None) for o, x in zip(objects, self._files(objects))]
         last = ""
-        for attempt in range(self.retries + 1):
-            try:
-                if self._assoc is None or not self._assoc.is_established:
-                    self._assoc = self._open()
-                for ds in objects:
-                    status = self._assoc.send_c_store(self._as_accepted(ds))
-                    code = getattr(status, "Status", None)
-                    if code != SUCCESS:
-                        raise ConnectionError(f"the destination answered C-STORE with status "
-                                              f"{'none' if code is None else hex(code)}")
-                return
-            except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
-                last = str(exc)[:120]
-                self.close()
-                time.sleep(min(self.backoff * 2 ** attempt, 10.0))
-        raise ConnectionError(f"SR not delivered after {self.retries + 1} attempts: {last}")
+        try:
+            for attempt in range(self.retries + 1):
+                try:
+                    if self._assoc is None or not self._assoc.is_established:
+                        self._assoc = self._open()
+                    while todo:
+                        status = self._assoc.send_c_store(self._as_accepted(todo[0][0]))
+                        code = getattr(status, "Status", None)
+                        if code != SUCCESS:
+                            raise ConnectionError(f"the destination answered C-STORE with status "
+                                                  f"{'none' if code is None else hex(code)}")
+                        _, scratch = todo.pop(0)
+                        if scratch is not None:
+                            scratch.unlink(missing_ok=True)
+                    return
+                except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
+                    last = str(exc)[:120]
+                    self.close()
+                    if self.halt.wait(min(self.backoff * 2 ** attempt, 10.0)):
+                        break
+            raise ConnectionError(f"SR not delivered after {attempt + 1} attempts: {last}")
+        finally:
+            # given up (or stopping): the caller still holds the bytes and writes them again for its next try,
+            # and the spool file they were built from stays, so no copy is needed here
+            for _, scratch in todo:
+                if scratch is not None:
+                    scratch.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._assoc is not None:
@@ -219,6 +250,7 @@ class Listener:
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
         self._server = None
+        self._halt = threading.Event()  # stop now: workers take no further instance, deliveries stop retrying
         self.stats = {"received": 0, "refused_busy": 0, "refused_too_large": 0, "classified": 0, "delivered": 0,
                       "skipped": 0, "failed": 0}
         self.max_message_bytes = s.max_upload_bytes + (1 << 20)  # the dataset, and its command set and PDU headers
@@ -300,11 +332,12 @@ class Listener:
     # ---------------------------------------------------------------- the worker side
     def _work(self) -> None:
         loop = asyncio.new_event_loop()
-        deliverer = Deliverer(self.destination, self.ae_title, retries=self.deliver_retries, scratch=self.outgoing)
+        deliverer = Deliverer(self.destination, self.ae_title, retries=self.deliver_retries, scratch=self.outgoing,
+                              halt=self._halt)
         try:
             while True:
                 path = self._q.get()
-                if path is None:
+                if path is None or self._halt.is_set():  # a halted worker leaves the rest in the spool
                     return
                 try:
                     self._process(path, loop, deliverer)
@@ -360,19 +393,33 @@ class Listener:
                 deliverer.deliver(parts[::-1])  # the SC (when there is one) before the SR that references it
                 break
             except ConnectionError as exc:
+                if self._halt.is_set():
+                    log.warning("instance %s: %s; left in the spool for the next start", uid, exc)
+                    return None
                 log.error("instance %s: %s; retrying in %g s (kept in the spool)", uid, exc, self.retry_pause)
-                time.sleep(self.retry_pause)
+                if self._halt.wait(self.retry_pause):
+                    log.warning("instance %s: not delivered; left in the spool for the next start", uid)
+                    return None
         path.unlink(missing_ok=True)
         self.stats["delivered"] += 1
         log.info("instance %s: %s (p=%.3f), SR delivered; %.0f ms classify, %.0f ms deliver", uid,
                  result["class_name"], result["probability"], 1000 * (t1 - t0), 1000 * (time.perf_counter() - t1))
 
     def _fail(self, path: Path, uid: str, exc: TaflError) -> None:
+        """Keep a refused instance in spool/failed with the reason the service would have answered: the message
+        is meant for a person (tafl.errors) and quotes no tag values, so it goes in the log too."""
         self.stats["failed"] += 1
         status = getattr(exc, "status", 400)
-        log.warning("instance %s: not classified (%s %s); kept in %s", uid, status, type(exc).__name__,
-                    self.failed.name)
+        reason = {"status": status, "error": type(exc).__name__, "reason": exc.message, "instance": uid,
+                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+                  .replace("+00:00", "Z")}
+        note = self.failed / f"{path.name}.reason.json"
+        tmp = note.with_suffix(".part")
+        tmp.write_text(json.dumps(reason, indent=1) + "\n")
+        os.replace(tmp, note)  # before the instance: a kept file always has its reason beside it
         os.replace(path, self.failed / path.name)
+        log.warning("instance %s: not classified (%s %s: %s); kept as %s/%s", uid, status, type(exc).__name__,
+                    exc.message, self.failed.name, path.name)
 
     # ---------------------------------------------------------------- lifecycle
     def recover(self) -> int:
@@ -422,21 +469,42 @@ class Listener:
         with self._lock:
             return self._pending
 
-    def stop(self, drain: bool = False, timeout: float = 30.0) -> None:
-        """Stop accepting; with `drain`, finish the queue first. What is left stays in the spool for next time."""
+    def halt(self) -> None:
+        """Stop after the instances in hand (a second SIGTERM): what waits stays in the spool. Signal-safe."""
+        self._halt.set()
+
+    def stop(self, drain: bool = False, timeout: float = 30.0) -> dict[str, int]:
+        """Stop accepting; with `drain`, finish the queue first (for up to `timeout` s, or until `halt()`), else
+        only the instances in hand. What is left stays in the spool for next time. Logs and returns what this
+        run did."""
+        running = bool(self._threads)
         if self._server is not None:
             self._server.shutdown()
             self._server = None
-        if drain:
+        waiting = self.pending()
+        if drain and running:
+            log.info("stopping: no new associations; draining %d instance(s) waiting in the spool (up to %g s)",
+                     waiting, timeout)
             end = time.monotonic() + timeout
-            while self.pending() and time.monotonic() < end:
+            while self.pending() and time.monotonic() < end and not self._halt.is_set():
                 time.sleep(0.05)
+        elif running:
+            log.info("stopping: no new associations; %d instance(s) waiting stay in the spool", waiting)
+        self._halt.set()  # the drain is over: a worker finishes the instance in hand and takes no other
         for _ in self._threads:
             self._q.put(None)
         for t in self._threads:
             t.join(timeout)
         self._threads.clear()
         self.pool.close()
+        left = sum(1 for _ in self.queue_dir.glob("*.dcm"))
+        summary = {k: self.stats[k] for k in ("received", "classified", "delivered", "failed", "skipped")}
+        summary["left"] = left
+        if running:
+            log.info("stopped: this run %(received)d received, %(classified)d classified, %(delivered)d delivered, "
+                     "%(failed)d failed (kept in failed/), %(skipped)d skipped (not images); %(left)d left in the "
+                     "spool for the next start", summary)
+        return summary
 
 
 def storage_classes() -> list[str]:
@@ -489,17 +557,27 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", module="pydicom")
 
 
-def serve(listener: Listener) -> None:
-    """Run until SIGINT or SIGTERM (the CLI's loop)."""
+def serve(listener: Listener, drain_seconds: float = DRAIN_SECONDS) -> None:
+    """Run until SIGINT or SIGTERM (the CLI's loop), then drain the queue; a second signal stops at once."""
     import signal
 
-    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum, _frame) -> None:
+        # no logging and no lock this thread may hold: the handler runs between two bytecodes of the main thread
+        # (an Event's set() here could wait on the lock that the interrupted Event.wait holds, for ever)
+        received.append(signal.Signals(signum).name)
+        if len(received) > 1:
+            listener.halt()  # only worker threads ever hold this event's lock, and briefly
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     listener.start()
     print(f"listening as {listener.ae_title} on {listener.host}:{listener.port}", flush=True)
     try:
-        while not stop.wait(1.0):
-            pass
+        while not received:
+            time.sleep(0.5)
     finally:
-        listener.stop(drain=False, timeout=10)
+        if received:
+            log.info("%s received; a second one stops at once, without waiting for the queue", received[0])
+        listener.stop(drain=True, timeout=drain_seconds)

@@ -6,7 +6,9 @@ source; the listener's log holds no patient data. The 200-instance burst is benc
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,12 +27,14 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = [Path(get_testdata_file(n)) for n in ("CT_small.dcm", "MR_small.dcm", "MR_small_RLE.dcm")]
 
 
-def _listener(pkg: Path, port: int, dest_port: int, spool: Path, log: Path, extra: list[str] = ()) -> subprocess.Popen:
+def _listener(pkg: Path, port: int, dest_port: int, spool: Path, log: Path, extra: list[str] = (),
+              err: Path | None = None) -> subprocess.Popen:
+    """The listener as the CLI runs it; its stderr (the log) into `err` when given, else beside stdout in `log`."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TAFL_DECODE_PROCESSES": "1"}
     fh = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "tafl.cli", "dicom-listen", "--package", str(pkg), "--port",
                              str(port), "--dest", f"DEST@127.0.0.1:{dest_port}", "--spool", str(spool), *extra],
-                            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            stdout=fh, stderr=open(err, "ab") if err else subprocess.STDOUT, env=env, cwd=REPO,
                             start_new_session=True)  # its own group: a crash is cleaned up with the group
 
 
@@ -64,6 +68,33 @@ def _items(ds):
     for item in ds.get("ContentSequence", []):
         yield item
         yield from _items(item)
+
+
+def _until(cond, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return bool(cond())
+
+
+# what the REST service answers for native pixel data cut short: the reason an operator must read
+CUT_REASON = ("the DICOM pixel data (Explicit VR Little Endian) could not be decoded, it is truncated, corrupt or in "
+              "an unsupported variant")
+
+
+def _cut(seed: str) -> pydicom.Dataset:
+    """A CT instance whose native pixel data is half missing: the header reads, the pixels do not (422)."""
+    ds = instances(SOURCES[:1], 1, seed=seed)[0]
+    ds.PixelData = ds.PixelData[: len(ds.PixelData) // 2]
+    return ds
+
+
+def _summary(text: str) -> dict[str, int]:
+    """The numbers of the listener's last `stopped: ...` line."""
+    line = [ln for ln in text.splitlines() if "stopped: this run" in ln][-1]
+    return {k: int(v) for v, k in re.findall(r"(\d+) (received|classified|delivered|failed|skipped|left)", line)}
 
 
 @pytest.mark.slow
@@ -317,6 +348,124 @@ def test_deliverer_sends_part10_bytes_as_stored_or_converted_for_the_peer(tmp_pa
                 assert ts_got == ts_sent and body_got == body_sent
         assert {str(c.transfer_syntax[0]) for c in deliverer._assoc.accepted_contexts} == (
             {ImplicitVRLittleEndian} if implicit_only else {ImplicitVRLittleEndian, "1.2.840.10008.1.2.1"})
+        assert not any((tmp_path / "out").iterdir())  # each copy went once the peer acknowledged it
     finally:
         deliverer.close()
         sink.close()
+
+
+@pytest.mark.slow
+def test_a_refused_instance_says_why_in_the_log_and_beside_the_kept_file(gtafl_pkg, tmp_path, caplog):
+    """The service's reason for a 422 (the exception's message) is in the log line, which names the instance only
+    by its hash, and in failed/NAME.dcm.reason.json beside the kept instance, for an operator and a script."""
+    import logging
+
+    from tafl.serving.dicom_listener import Destination, Listener
+
+    caplog.set_level(logging.INFO, logger="tafl.dicom")
+    port, spool = free_port(), tmp_path / "spool"
+    lst = Listener(gtafl_pkg, Destination(folder=tmp_path / "srs"), port=port, spool=spool, workers=1)
+    lst.start()
+    try:
+        bad = _cut("reason" + str(tmp_path))
+        stats = send(port, [bad], deadline=60)
+        lst.stop(drain=True)
+    finally:
+        lst.stop()
+    assert stats["acked"] == 1 and lst.stats["failed"] == 1, (stats, lst.stats)
+    kept = list((spool / "failed").glob("*.dcm"))
+    assert len(kept) == 1 and pydicom.dcmread(kept[0]).SOPInstanceUID == bad.SOPInstanceUID  # kept as received
+    note = json.loads((spool / "failed" / f"{kept[0].name}.reason.json").read_text())
+    uid = dicom_sr.uid_hash(bad.SOPInstanceUID)
+    assert note["status"] == 422 and note["error"] == "UnprocessableImage" and note["instance"] == uid
+    assert note["reason"].startswith(CUT_REASON) and note["time"].endswith("Z")
+    line = [r.getMessage() for r in caplog.records if "not classified" in r.getMessage()]
+    assert len(line) == 1 and uid in line[0] and CUT_REASON in line[0] and kept[0].name in line[0], line
+    assert str(bad.SOPInstanceUID) not in caplog.text and PHI_ID not in caplog.text
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_queue_says_what_it_finished_and_a_second_one_leaves_the_rest(gtafl_pkg, tmp_path):
+    """`tafl dicom-listen` as a supervisor stops it: with its destination down, SIGTERM says it is draining the 6
+    instances that wait and a second SIGTERM stops it, saying they stay in the spool. Started again on that spool,
+    SIGTERM drains them to the destination (up by then) and says so. Read from its stderr, its log."""
+    port, dest_port, spool = free_port(), free_port(), tmp_path / "spool"
+    log, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    good = instances(SOURCES, 6, seed="term" + str(tmp_path))
+    proc = _listener(gtafl_pkg, port, dest_port, spool, log, err=err)  # nothing listens on dest_port yet
+    sink = None
+    try:
+        assert echo(port, timeout=90), err.read_text()[-2000:]
+        # the refused one first: with both workers then stuck on a delivery, all 6 others wait
+        stats = send(port, [_cut("term" + str(tmp_path))] + good, deadline=60)
+        assert stats["acked"] == 7, stats
+        assert _until(lambda: list((spool / "failed").glob("*.dcm")), 30), err.read_text()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert _until(lambda: re.search(r"draining \d+ instance", err.read_text()), 60), err.read_text()[-2000:]
+        assert "SIGTERM received" in err.read_text()
+        assert re.search(r"draining (\d+) instance", err.read_text())[1] == "6"  # the 6 that wait, said so
+        proc.send_signal(signal.SIGTERM)  # the destination is still down: stop now
+        assert proc.wait(60) == 0
+        first = _summary(err.read_text())
+        assert first["received"] == 7 and first["delivered"] == 0 and first["failed"] == 1 and first["left"] == 6
+        assert len(list((spool / "queue").glob("*.dcm"))) == 6  # what it says is what is there
+
+        err.write_bytes(b"")
+        proc = _listener(gtafl_pkg, port, dest_port, spool, log, err=err)  # the same spool
+        assert echo(port, timeout=90), err.read_text()[-2000:]
+        assert "6 instance(s) acknowledged before the last stop are queued again" in err.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert _until(lambda: "draining 6 instance" in err.read_text(), 60), err.read_text()[-2000:]
+        sink = Sink(port=dest_port)  # the destination comes back during the drain
+        assert proc.wait(90) == 0, err.read_text()[-2000:]
+        text = err.read_text()
+        second = _summary(text)
+        assert second["delivered"] == 6 and second["failed"] == 0 and second["left"] == 0, text[-2000:]
+        assert len(sink.datasets(dicom_sr.SR_STORAGE)) == 6
+        assert not list((spool / "queue").glob("*.dcm")) and not any((spool / "outgoing").iterdir())
+    finally:
+        _reap(proc)
+        if sink is not None:
+            sink.close()
+    assert PHI_ID not in text and not any(str(d.SOPInstanceUID) in text for d in good)
+
+
+@pytest.mark.slow
+def test_outgoing_is_empty_after_a_clean_run_to_orthanc(gtafl_pkg, tmp_path):
+    """The SR and heatmap SC copies the workers send from spool/outgoing go once Orthanc acknowledged them."""
+    from tests.orthanc import Orthanc
+
+    from tafl.serving.dicom_listener import Destination, Listener
+
+    if not Orthanc.available():
+        pytest.skip("Orthanc (Debian: orthanc, orthanc-dicomweb) is not installed")
+    pacs = Orthanc(tmp_path / "orthanc").start()
+    port, spool = free_port(), tmp_path / "spool"
+    lst = Listener(gtafl_pkg, Destination(ae_title=pacs.aet, host="127.0.0.1", port=pacs.dicom_port), port=port,
+                   spool=spool, heatmap=True)
+    lst.start()
+    try:
+        sent = instances(SOURCES, 4, seed="outgoing" + str(tmp_path))
+        stats = send(port, sent, deadline=60)
+        assert stats["acked"] == 4, stats
+        assert _until(lambda: lst.stats["delivered"] == 4, 60), lst.stats
+        lst.stop(drain=True)
+        assert not list((spool / "outgoing").iterdir()) and not list((spool / "queue").iterdir())
+        assert len(pacs.by_modality("SR")) == 4 and len(pacs.instances()) == 8  # and the 4 SCs: all acknowledged
+    finally:
+        lst.stop()
+        pacs.stop()
+
+
+def test_deliverer_removes_its_scratch_copies_when_it_gives_up(tmp_path):
+    """A peer that is not there: after the retries the scratch copies go too (the caller keeps the bytes and its
+    spool file, and writes them again for its next try), so outgoing holds only what is being sent."""
+    from tafl.serving.dicom_listener import Deliverer, Destination
+
+    deliverer = Deliverer(Destination(ae_title="DEST", host="127.0.0.1", port=free_port()), "TAFL", retries=1,
+                          backoff=0.01, scratch=tmp_path / "out")
+    src = instances(SOURCES[:1], 1, seed="gone")[0]
+    sr = dicom_sr.encoded(src, dicom_sr.Finding(0, 0.7), dicom_sr.Algorithm("m", "1", "cd" * 32, ["a", "b"]))[0]
+    with pytest.raises(ConnectionError, match="not delivered after 2 attempts"):
+        deliverer.deliver([sr])
+    assert not any((tmp_path / "out").iterdir())
