@@ -537,9 +537,12 @@ def _print_summary(report: dict[str, Any], out: Path) -> None:
 def cmd_dicom_listen(ns: argparse.Namespace) -> int:
     from tafl.serving.dicom_listener import Destination, Listener, serve
 
+    if ns.drain_seconds is not None and not ns.drain_seconds >= 0:
+        raise ConfigError(f"--drain-seconds must be a number of seconds >= 0, got {ns.drain_seconds:g}")
     dest = Destination.parse(ns.dest, ns.out_dir)
     serve(Listener(ns.package, dest, ae_title=ns.ae_title, host=ns.host, port=ns.port, spool=ns.spool,
-                   heatmap=ns.heatmap, max_queue=ns.max_queue, workers=ns.workers))
+                   heatmap=ns.heatmap, max_queue=ns.max_queue, workers=ns.workers),
+          **({} if ns.drain_seconds is None else {"drain_seconds": ns.drain_seconds}))
     return 0
 
 
@@ -730,6 +733,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "retry: Orthanc does not); default 1000, about 0.5 GB of CT slices on disk")
     dl.add_argument("--workers", type=int, default=2, help="classifying threads (each with its own association "
                                                            "to --dest; default 2)")
+    dl.add_argument("--drain-seconds", type=float, metavar="S",
+                    help="on SIGTERM or SIGINT: finish what the spool holds for up to S s, then stop (what is left "
+                         "stays for the next start; a second signal stops at once; default 25)")
     dl.set_defaults(func=cmd_dicom_listen)
 
     d = sub.add_parser("demo", help="train GTAFL on the embedded digits, export, serve and call the service")
