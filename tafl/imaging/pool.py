@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from tafl.errors import UnprocessableImage
+from tafl.procs import bounded_malloc_for_children
 from tafl.imaging.decode import DecodedImage, decode_image
 
 log = logging.getLogger("tafl.serving")
@@ -50,7 +51,7 @@ class DecodePool:
                 # threshold would otherwise rise and keep them on the heap), and the pool is replaced after
                 # TASKS_PER_POOL files, so what fragmentation remains cannot add up over days. (Not with
                 # max_tasks_per_child: on Python 3.11 a pool can hang when a worker retires with work queued.)
-                os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 * 1024))
+                bounded_malloc_for_children()
                 self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
                 self._tasks = 0
             self._tasks += 1

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tafl.errors import ConfigError, PackageError, ServiceUnavailable
-from tafl.procs import ProcessTree, free_port, start_group, stop_group, wait_http
+from tafl.procs import MALLOC_ENV, ProcessTree, free_port, start_group, stop_group, wait_http
 from tafl.serving.runtime import resolve_package
 from tafl.settings import env_float
 
@@ -174,6 +174,8 @@ def service_env(packages: list[str], token: str | None = None, extra: dict[str, 
     else:  # the service's default: the store model a built bento bundles
         env.pop("TAFL_PACKAGES", None)
     env.setdefault("BENTOML_DO_NOT_TRACK", "True")
+    for name, value in MALLOC_ENV.items():  # the server and its workers give large buffers back when freed
+        env.setdefault(name, value)
     if token:
         env["TAFL_API_TOKEN"] = token
     env.update(extra or {})

@@ -19,7 +19,6 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import os
 import re
 import threading
 import time

@@ -15,6 +15,7 @@ import logging
 import bentoml
 
 from tafl.errors import ConfigError
+from tafl.procs import bounded_malloc_for_children
 from tafl.serving.app import create_app
 from tafl.serving.context import STATE_KEY, ServingState
 from tafl.serving.http import ControlCharacterGuard
@@ -58,6 +59,7 @@ MAX_CONCURRENCY = max_concurrency()
 # import, in the process that starts them, and handed to them in TAFL_SERVING_PLAN.
 if logging.getLogger("tafl").level == logging.NOTSET:  # BentoML shows its own INFO lines only: show tafl's too (the
     logging.getLogger("tafl").setLevel(logging.INFO)   # plan, each package loaded and the providers it runs on)
+bounded_malloc_for_children()  # the workers BentoML starts give large buffers back when freed (tafl.procs)
 PLAN = service_plan()
 WORKERS = service_workers()
 

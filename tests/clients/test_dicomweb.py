@@ -395,7 +395,7 @@ def test_since_says_which_studies_it_cannot_see_for_want_of_a_studydate(gtafl_pk
     monkeypatch.setattr(dw, "UNDATED_SCAN", 2)  # a large archive: the count stops early, and says "at least"
     assert main(base + ["--since", "2026-01-01", "--out", str(tmp_path / "since.csv"), "--force"]) == 0
     out = capsys.readouterr().out
-    assert f"at least 1 of the first 3 studies listed have no StudyDate, so --since did not score them" in out, out
+    assert "at least 1 of the first 3 studies listed have no StudyDate, so --since did not score them" in out, out
 
 
 # ------------------------------------------------------------------ the DIMSE listener against Orthanc

@@ -8,9 +8,11 @@ import time
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 
 from tafl.packaging import load_package
+from tafl.procs import MALLOC_ENV
 from tafl.serving import tuning
 from tafl.serving.settings import Settings, handed_plan, service_plan, service_workers
 from tafl.serving.tuning import CPU_LANES, WORKER_LANES, WORKER_MB, ModelCost, Plan, choose, measure
@@ -95,7 +97,10 @@ def test_a_service_with_no_settings_runs_the_chosen_plan_and_says_why(dafl_pkg, 
 
     log = tmp_path / "auto.log"
     with ServerProcess([str(dafl_pkg)], env={"BENTOML_HOME": str(tmp_path / "b1")}, log_path=log) as srv:
-        assert len(_worker_pids(srv)) == 2
+        pids = _worker_pids(srv)
+        assert len(pids) == 2
+        for pid in pids:  # glibc gives their large buffers back (the soak's growth: tafl.procs.MALLOC_ENV)
+            assert psutil.Process(pid).environ().get("MALLOC_MMAP_THRESHOLD_") == MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
         r = httpx.post(f"{srv.url}/predict", files={"file": ("a.png", digit_png(3), "image/png")}, timeout=60)
         assert r.status_code == 200, r.text[:300]
         m = httpx.get(f"{srv.url}/models", timeout=30).json()
