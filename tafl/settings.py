@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from tafl.errors import ConfigError
 
-__all__ = ["env_float", "env_int"]
+__all__ = ["child_environment", "env_float", "env_int", "env_str", "set_env"]
 
 
 def _raw(name: str, env: Mapping[str, str] | None) -> str:
@@ -62,3 +62,18 @@ def env_float(name: str, default: float, *, minimum: float = 0.0, inclusive: boo
                  else f"greater than {minimum:g}")
         raise ConfigError(f"{name} must be {bound}, got {raw[:40]!r}")
     return value
+
+
+def env_str(name: str, default: str | None = None, *, env: Mapping[str, str] | None = None) -> str | None:
+    """The text in `name`, stripped (`default` when unset or blank)."""
+    return _raw(name, env) or default
+
+
+def set_env(name: str, value: str) -> None:
+    """Set `name` for this process and the processes it starts from now on (BentoML's workers, decoder processes)."""
+    os.environ[name] = value
+
+
+def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment, as a child process is to get it, with `extra` on top."""
+    return {**os.environ, **(extra or {})}
