@@ -41,7 +41,7 @@ from tafl.training.config import RunConfig  # noqa: E402
 from tafl.training.ensemble import ExpertEnsemble  # noqa: E402
 from tafl.training.evaluate import evaluate_outputs  # noqa: E402
 from tafl.training.longtail import DISTRIBUTION_NAMES, select_clients  # noqa: E402
-from tafl.training.methods.base import ClientResult  # noqa: E402
+from tafl.training.contract import ClientResult  # noqa: E402
 from tafl.training.models import ModelConfig  # noqa: E402
 from tafl.training.simulator import make_method, prepare  # noqa: E402
 

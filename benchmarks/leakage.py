@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from tafl.training.config import load_config  # noqa: E402
 from tafl.training.methods import method_class  # noqa: E402
-from tafl.training.methods.base import ClientData  # noqa: E402
+from tafl.training.contract import ClientData  # noqa: E402
 from tafl.training.privacy import clip_rows  # noqa: E402
 from tafl.training.simulator import prepare, select_clients  # noqa: E402
 

@@ -30,7 +30,7 @@ from tafl.training.checkpoint import load_checkpoint  # noqa: E402
 from tafl.training.config import RunConfig  # noqa: E402
 from tafl.training.data import load_dataset  # noqa: E402
 from tafl.training.evaluate import predict  # noqa: E402
-from tafl.training.methods import GlobalState  # noqa: E402
+from tafl.training.contract import GlobalState  # noqa: E402
 from tafl.training.methods.base import ProbsAndLabel  # noqa: E402
 from tafl.training.models import ModelConfig, build_model  # noqa: E402
 from tafl.training.simulator import adaptation_accuracies, make_method  # noqa: E402

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from prior_offline import open_run  # noqa: E402  (benchmarks/)
 from tafl.training.checkpoint import save_checkpoint  # noqa: E402
-from tafl.training.methods import GlobalState  # noqa: E402
+from tafl.training.contract import GlobalState  # noqa: E402
 from tafl.training.report import write_json  # noqa: E402
 from tafl.training.simulator import choose_prior_estimator, evaluate_checkpoint  # noqa: E402
 

@@ -55,16 +55,26 @@ def _shown(value: Any) -> str:
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field; every default is None so only given flags override the file.
+    """One flag per setting, flat (`--gff-m`); every default is None so only given flags override the file.
 
-    The help of each is the field's comment in tafl/training/config.py (`field_docs`), the one place it is
-    documented, with its default; fixed sets of values are argparse `choices` from `config.choices()`."""
+    The shared settings come first, then one group per method config (`tafl train --help` groups them by method).
+    The help of each is its field's comment (`config.field_docs`), the one place it is documented, with its default;
+    fixed sets of values are argparse `choices` from `config.choices()`."""
     from tafl.training.config import RunConfig, choices, field_docs
+    from tafl.training.contract import config_classes
 
-    hints = typing.get_type_hints(RunConfig)
     docs, defaults, allowed = field_docs(), RunConfig(), choices()
-    group = p.add_argument_group("run configuration (each overrides the --config file; YAML keys use _ for -)")
-    for f in dataclasses.fields(RunConfig):
+    shared = p.add_argument_group("run configuration (each overrides the --config file; YAML keys use _ for -)")
+    _add_flags(shared, RunConfig, docs, defaults, allowed)
+    for cls, names in config_classes().items():
+        group = p.add_argument_group(f"settings of method {' and '.join(names)} (ignored by the other methods)")
+        _add_flags(group, cls, docs, defaults.settings_of(cls), allowed)
+
+
+def _add_flags(group, cls: type, docs: dict[str, str], defaults: Any, allowed: dict[str, tuple[str, ...]]) -> None:
+    """A flag for each field of the dataclass `cls` (its value in `defaults` shown as the default)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         hint = hints[f.name]
         args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         base = next(a for a in args if a is not type(None))
@@ -82,9 +92,9 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_overrides(ns: argparse.Namespace) -> dict[str, Any]:
-    from tafl.training.config import RunConfig
+    from tafl.training.config import flat_keys
 
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(RunConfig) if getattr(ns, f.name, None) is not None}
+    return {k: getattr(ns, k) for k in flat_keys() if getattr(ns, k, None) is not None}
 
 
 # ------------------------------------------------------------------ verbs

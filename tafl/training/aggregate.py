@@ -9,12 +9,11 @@ statistics included; integer buffers (BatchNorm's `num_batches_tracked`) take th
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-if TYPE_CHECKING:  # methods import this module; avoid the cycle at run time
-    from tafl.training.methods.base import ClientResult
+from tafl.training.contract import ClientResult
 
 Tensors = dict[str, torch.Tensor]
 
@@ -37,7 +36,7 @@ def problem_with(reference: Tensors, update: Tensors, what: str) -> str | None:
     return None
 
 
-def check_results(reference: Tensors, results: Sequence["ClientResult"],
+def check_results(reference: Tensors, results: Sequence[ClientResult],
                   extra_check=None) -> list["ClientResult"]:
     """The results that are safe to aggregate; the others are dropped with a warning."""
     good = []

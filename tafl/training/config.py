@@ -1,4 +1,10 @@
-"""Run configuration: one typed dataclass, every field commented, loaded from YAML and flags.
+"""Run configuration: the shared settings in one typed dataclass, every field commented, loaded from YAML and flags.
+
+A method's own settings live in its typed config (`tafl.training.contract.MethodConfig`, registered with the
+method: `tafl.training.methods.gtafl_config.GTAFLConfig`, ...), which validates itself and says what the method
+needs of the shared settings. The keys stay flat everywhere a user or a file sees them: `configs/*.yaml`, the flags
+(`--gff-m`), run.json, a checkpoint's and a report's config (`RunConfig.to_dict`), and attribute access
+(`cfg.gff_m` reads the GTAFL config's field); `cfg.settings()` is the running method's config, typed.
 
 `configs/*.yaml` hold named configurations; command-line flags override the file; unknown keys
 and values of the wrong type or range are `ConfigError`s naming the key. The resolved config is
@@ -22,34 +28,26 @@ from tafl.errors import ConfigError
 from tafl.prior import CALIBRATIONS  # numpy only: the one list of calibration kinds
 from tafl.training.decision import KINDS as DECISIONS  # numpy only
 from tafl.training.longtail import HOLDOUT_MODES  # numpy only
+from tafl.training.contract import MethodConfig, config_class, config_classes, config_fields, setting_owner
 from tafl.training.methods import method_names  # the one registry; importing it loads no method (nor torch)
 
 PARTITIONS = ("equal", "dirichlet")
 
-# The one list of allowed values for every string option with a fixed set: `validate` checks them and the
+# The one list of allowed values for every shared string option with a fixed set: `validate` checks them and the
 # command line offers them as `choices`, so `tafl train --help` and a bad config name the same values. The
-# methods are read from their registry at each call (`choices()`), so a registered method is a valid value.
+# methods and their settings' choices are read from their registry at each call (`choices()`), so a registered
+# method is a valid value.
 FIXED_CHOICES: dict[str, tuple[str, ...]] = {
     "folder_frames": ("each", "refuse"),
     "partition": PARTITIONS,
     "optimizer": ("sgd", "adam"),
     "augment_policy": ("none", "trivial", "randaugment"),
     "lr_schedule": ("constant", "cosine"),
-    "expert_init": ("warm", "fresh"),
-    "bank_init": ("normal", "stats"),
-    "bank_anchor": ("recentre", "standardise", "penalty", "redraw", "none"),
-    "match_head": ("own", "uniform"),
-    "expert_form": ("shifted", "trained"),
-    "vote": ("hard", "soft", "confidence", "learned"),
     "simclr_pool": ("val", "test", "train"),
     "train_scope": ("all", "head"),
     "calibration": CALIBRATIONS,
     "calib_holdout_mode": HOLDOUT_MODES,
-    "calib_source": ("experts", "uniform"),
     "decision": DECISIONS,
-    "loss": ("dafl", "focal", "ce"),
-    "dafl_scale": ("mean", "paper"),
-    "aggregation": ("imbalance", "size"),
     "tokenizer": ("patch", "conv"),
     "engine": ("simulator", "flower"),
     "select": ("last", "val"),
@@ -61,14 +59,35 @@ SECAGG_MIN_CLIENTS = 3  # SecAgg+: a sum over two sites, one of them the server'
 
 
 def choices() -> dict[str, tuple[str, ...]]:
-    """Every string option's allowed values: the methods of the registry and FIXED_CHOICES."""
-    return {"method": method_names(), **FIXED_CHOICES}
+    """Every string option's allowed values: the methods of the registry, FIXED_CHOICES and each registered
+    method config's CHOICES."""
+    own = {k: v for cls in config_classes() for k, v in cls.CHOICES.items()}
+    return {"method": method_names(), **FIXED_CHOICES, **own}
 
 
-@dataclass
+def method_keys() -> dict[str, type[MethodConfig]]:
+    """Every registered method setting (a flat key) and the config class that holds it."""
+    keys = {k: cls for cls in config_classes() for k in config_fields(cls)}
+    clash = sorted(set(keys) & set(shared_keys()))
+    if clash:
+        raise ConfigError(f"method setting(s) {', '.join(clash)} of {keys[clash[0]].__name__} clash with the shared "
+                          "run settings of the same name")
+    return keys
+
+
+def shared_keys() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def flat_keys() -> tuple[str, ...]:
+    """Every key a run configuration takes: the shared ones (RunConfig's fields), then each method's settings."""
+    return (*shared_keys(), *method_keys())
+
+
+@dataclass(eq=False)  # equality compares every setting, the methods' too (__eq__)
 class RunConfig:
     # --- what to train ---
-    # fedavg | fedprox | creff | gtafl | dafl | lda (tafl.training.methods.REGISTRY). lda: the sites train nothing;
+    # fedavg | fedprox | creff | gtafl | dafl | lda (tafl.training.methods: the registry). lda: the sites train nothing;
     # each sends its class sums of the fixed extractor's whitened features once, and the server fits a linear
     # discriminant head (train_scope head; under DP two Gaussian releases in all: docs/decisions.md §6.3)
     method: str = "fedavg"
@@ -116,71 +135,14 @@ class RunConfig:
     momentum: float = 0.0  # local SGD momentum
     weight_decay: float = 0.0  # local SGD weight decay
     optimizer: str = "sgd"  # local optimizer: sgd | adam (DAFL's paper uses Adam, lr 1e-4)
-    mu: float = 0.01  # FedProx proximal coefficient
-    # fedavg/fedprox: each client trains on logits + local_adjust·log(its own class shares), the logit-adjusted loss
-    # (Menon et al. 2021) with the client's local mix, as FedLC (Zhang et al. 2022) calibrates label skew: a site
-    # that never sees a class does not push it down, and the model learns balanced scores; 0: plain cross-entropy
-    local_adjust: float = 0.0
     augment: bool = True  # random crop (pad 1/8 of the side) and horizontal flip during local training
     # extra augmentation on top of crop and flip: none | trivial (timm's TrivialAugment-style wide policy,
     # one random op per image) | randaugment (timm's RandAugment, 2 ops at magnitude 9)
     augment_policy: str = "none"
     lr_schedule: str = "constant"  # constant | cosine: the local lr follows a cosine over the rounds
     warmup_rounds: int = 0  # rounds of linear lr warm-up before the schedule (from lr/warmup_rounds)
-    # --- GTAFL / CReFF (docs/design.md §4); the four ablation switches are Table IV's CR, EN, CL, GS ---
-    cr: bool = True  # classifier retraining on global federated features (off: predict with the FedAvg head)
-    en: bool = True  # forward/uniform/backward expert ensemble (off: the uniform expert alone)
-    cl: bool = True  # server-side SimCLR refinement of the extractor
-    gs: bool = True  # GI-GDS sampling on clients (off: uniform shuffling)
-    gs_tau: float = 0.9  # GI-GDS cosine-similarity threshold
-    gff_m: int = 100  # m: base synthetic features per class and expert
-    # λ: forward/backward experts hold m + λ·d_c features of class c (d_c its global training count). null: λ =
-    # m / mean_c d_c, so the forward bank's class c holds m·(1 + d_c/mean d) whatever the data's size (0.0999 on
-    # DermaMNIST, where 0.1 was chosen on validation data, docs/decisions.md; the paper's fixed 0.01 left the experts
-    # nearly equal there). A number is the paper's fixed λ.
-    gff_lambda: float | None = None
-    grad_samples: int = 32  # samples per local class for the client's expert gradients
-    match_steps: int = 100  # GFF matching SGD steps per round
-    match_lr: float = 0.1  # GFF matching learning rate (CReFF: 0.1)
-    # expert retraining epochs over its bank per round; null: 300 for creff (as published), 100 for gtafl (warm
-    # experts need fewer; 100 and 150 matched 300 on validation at a third of the cost, docs/decisions.md)
-    retrain_epochs: int | None = None
-    retrain_lr: float = 0.01  # expert retraining SGD learning rate (CReFF: 0.01)
-    retrain_batch: int = 32  # expert retraining batch size
-    expert_init: str = "warm"  # warm: experts continue from last round; fresh: re-initialised each round (CReFF)
-    # where the GFF banks start: normal = N(0, 1) (CReFF as published; in the centred frame it is zero-mean like
-    # the centred real features) | stats = N(μ_c, diag σ_c²) from the clients' per-class feature sums; stats
-    # measured worse on validation (docs/decisions.md)
-    bank_init: str = "normal"
-    # how banks built from statistics stay where the real features are as the extractor moves, every round:
-    # recentre (shift each bank's class mean to μ_c) | standardise (also rescale to σ_c) | penalty (a term in the
-    # matching loss) | redraw (fresh N(μ_c, σ_c²) banks) | none; ignored for N(0, 1) banks
-    bank_anchor: str = "recentre"
-    bank_anchor_weight: float = 1.0  # penalty: weight of the bank-mean term in the matching loss
-    # retrain the experts on features centred at the class-balanced mean of the clients' class means (from the
-    # class statistics), so the heads meet real features' common mean at test time; null: on for gtafl, off for
-    # creff (as published)
-    gff_centre: bool | None = None
-    # after the last round, the share of clients that embed their gradient rows once more with the final extractor
-    # for one last expert retraining (no local training); 0 turns this finishing round off; null: 1 for gtafl,
-    # 0 for creff (as published)
-    final_round_frac: float | None = None
-    # the head that client gradients and GFF matching are computed at: each expert's own (docs/design.md §4),
-    # or the uniform expert's for every bank (a diagnostic for the experts' inverted specialisation)
-    match_head: str = "own"
-    # how the experts are built from their banks: shifted = one class-balanced head learned from every bank with the
-    # logit-adjusted loss, each expert that head plus log(its bank's class shares), so forward leans to the head
-    # classes and backward to the tail by construction | trained = each expert its own head trained by plain CE on
-    # its bank (the paper's; its lean then depends on how separable the banks are: docs/decisions.md §5.5)
-    expert_form: str = "shifted"
-    # how the experts combine: hard (uniform expert breaks ties) | soft | confidence | learned (soft with per-expert
-    # weights learned on the server from the GFF banks over the eleven test priors)
-    vote: str = "hard"
+    # --- the server's unlabeled pool: SimCLR pre-training (pretrain_steps), GTAFL's SimCLR, the head basis ---
     simclr_pool: str = "val"  # unlabeled server images: val | test (transductive, as the paper) | train
-    # SimCLR measured no accuracy gain (docs/results.md), so its default cost is small: 2 steps every 5th round
-    simclr_steps: int = 2  # SimCLR SGD steps per round in which it runs
-    simclr_every: int = 5  # run SimCLR every N rounds
-    simclr_lr: float = 0.001  # SimCLR learning rate (paper: 1e-3 CIFAR10, 1e-4 PathMNIST, 1e-5 OCTMNIST)
     simclr_batch: int = 64  # images per SimCLR step (two views each)
     simclr_tau: float = 0.5  # NT-Xent temperature
     simclr_proj_dim: int = 128  # projection head output size
@@ -195,9 +157,6 @@ class RunConfig:
     calib_holdout_mode: str = "rows"
     calib_rounds: int = 25  # calibration Newton rounds at most
     calib_l2: float = 1.0  # L2 penalty on the biases and on the spread of vector scaling's per-class scales
-    # GTAFL: the posteriors calibration and prior estimation use: experts (mean of the experts' log-probabilities)
-    # | uniform (the uniform expert's) ; the voted label stays the rule without a prior
-    calib_source: str = "experts"
     # the plain decision's operating point: argmax | validation (label = argmax(z − τ·log π), τ chosen on the
     # validation split by its uniform-prior macro F1: post-hoc logit adjustment, tafl.training.decision; the
     # probabilities are unchanged). GTAFL and CReFF: every expert's bias moves by the same −τ·log π, τ from −1 to 1
@@ -236,16 +195,6 @@ class RunConfig:
     # budget; 0: none
     pretrain_steps: int = 0
     pretrain_lr: float = 0.1  # the pre-training's SGD learning rate (momentum 0.9; simclr_batch images a step)
-    # --- ViT-DAFL (docs/design.md §5) ---
-    loss: str = "dafl"  # dafl | focal | ce (the loss ablation)
-    gamma_init: float = 2.0  # focusing parameter γ at the start (learnable for dafl unless gamma_fixed)
-    gamma_fixed: bool = False  # keep γ at gamma_init instead of learning it
-    gamma_max: float = 5.0  # learnable γ is clamped to [0, gamma_max] (unclamped it grows without bound)
-    dafl_lambda: float = 0.5  # λ in c_{f,t} = λ·c_k + (1 − λ)·c_{f,t}
-    # scale of the two DAFL terms: mean (c_k over the mean of the round's clients' c_k, c_{f,t} over its mean
-    # across classes: both near 1, docs/design.md §5.1) | paper (the literal counts ratios, c ≈ 100 on DermaMNIST)
-    dafl_scale: str = "mean"
-    aggregation: str = "imbalance"  # imbalance: ω_k ∝ 1/(c_k + ε); size: FedAvg's sample-count weights
     # --- model ---
     backbone: str = "resnet8"  # resnet8, vit_tafl_tiny, or any timm ViT name
     width: float = 1.0  # resnet8 width multiplier: 1.0 = the paper's 64-128-256 channels
@@ -268,6 +217,37 @@ class RunConfig:
     device: str = "cpu"  # cpu | cuda | auto
     keep_checkpoints: int = 2  # per-round checkpoints kept in OUT/checkpoints
 
+    # ------------------------------------------------------------------ the methods' own settings
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_settings", {})  # config class -> its instance, made when first used
+
+    def settings_of(self, cls: type[MethodConfig]) -> MethodConfig:
+        """This run's instance of a method config class (its defaults until a key of it is set)."""
+        have: dict[type[MethodConfig], MethodConfig] = self.__dict__["_settings"]
+        if cls not in have:
+            have[cls] = cls()
+        return have[cls]
+
+    def settings(self) -> MethodConfig:
+        """The running method's own settings (`cfg.settings().gff_m` for GTAFL), typed."""
+        return self.settings_of(config_class(self.method))
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not shared fields: a method's setting
+        cls = setting_owner(name) if not name.startswith("_") else None
+        if cls is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return getattr(self.settings_of(cls), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        cls = setting_owner(name) if name not in _SHARED else None
+        if cls is None:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.settings_of(cls), name, value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunConfig) and self.to_dict() == other.to_dict()
+
     # ------------------------------------------------------------------
     def adapt_size_list(self) -> list[int]:
         return [int(v) for v in str(self.adapt_sizes).split(",") if v.strip()]
@@ -286,7 +266,12 @@ class RunConfig:
         return v
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flat dict of every setting (the shared ones, then each method's): run.json, a checkpoint's
+        run_config and a report's config."""
+        out = dataclasses.asdict(self)
+        for cls in config_classes():
+            out.update(dataclasses.asdict(self.settings_of(cls)))
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
@@ -297,7 +282,8 @@ class RunConfig:
     def update(self, data: dict[str, Any], source: str = "config") -> RunConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(self)}
+        owners = method_keys()
+        names = set(_SHARED) | set(owners)
         hints = typing.get_type_hints(type(self))
         for key, value in data.items():
             norm = str(key).replace("-", "_")
@@ -305,19 +291,42 @@ class RunConfig:
                 close = difflib.get_close_matches(norm, sorted(names), n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise ConfigError(f"{source}: unknown config key '{key}'{hint}")
-            setattr(self, norm, _coerce(norm, value, hints[norm], source))
+            hint_of = hints[norm] if norm in hints else typing.get_type_hints(owners[norm])[norm]
+            setattr(self, norm, _coerce(norm, value, hint_of, source))
         return self
 
-    def validate(self) -> RunConfig:
-        def bad(key: str, why: str) -> ConfigError:
-            return ConfigError(f"config '{key}' = {getattr(self, key)!r}: {why}")
+    def bad(self, key: str, why: str) -> ConfigError:
+        """The error for setting `key` (its value named): what a validation rule raises."""
+        return ConfigError(f"config '{key}' = {getattr(self, key)!r}: {why}")
 
+    def validate(self) -> RunConfig:
+        """Every setting in range and the combination runnable; fills train_scope when unset. The running method's
+        config adds its own rules (`MethodConfig.check_run`, `check_private`); every method config checks its
+        values whichever method runs."""
+        bad = self.bad
+        own = self.settings() if self.method in method_names() else MethodConfig()  # unknown: refused below
         if self.train_scope is None:  # DP-SGD trains the head only unless told otherwise (docs/decisions.md §6.2)
             private = self.dp_epsilon is not None and not (math.isinf(self.dp_epsilon) and self.dp_epsilon > 0)
-            self.train_scope = "head" if (private and self.method != "dafl") or self.method == "lda" else "all"
+            self.train_scope = own.default_train_scope(private)
         for key, allowed in choices().items():
             if getattr(self, key) not in allowed:
                 raise bad(key, ("unknown method; " if key == "method" else "") + f"choose one of {', '.join(allowed)}")
+        self._validate_ranges()
+        for cls in config_classes():
+            part = self.settings_of(cls)
+            part.check(self)
+            if part is not own:
+                part.check_unused(self)
+        self._validate_data()
+        self._validate_privacy(own)
+        if self.client_column and self.imbalance_factor is not None:
+            raise bad("imbalance_factor", "with client_column every site keeps its own long tail; set it to null "
+                                          "(--imbalance-factor none)")
+        return self
+
+    def _validate_ranges(self) -> None:
+        """The shared numbers in range."""
+        bad = self.bad
         if self.imbalance_factor is not None and not self.imbalance_factor >= 1:
             raise bad("imbalance_factor", "the imbalance factor must be >= 1 (or null for the natural distribution)")
         if not self.alpha > 0:
@@ -332,7 +341,7 @@ class RunConfig:
         for key in ("lr",):
             if not getattr(self, key) > 0:
                 raise bad(key, "must be > 0")
-        for key in ("momentum", "weight_decay", "mu", "local_adjust"):
+        for key in ("momentum", "weight_decay"):
             if not getattr(self, key) >= 0:
                 raise bad(key, "must be >= 0")
         for key in ("val_fraction", "test_fraction"):
@@ -344,35 +353,26 @@ class RunConfig:
             raise bad("channels", "must be 1 or 3")
         if not self.width > 0:
             raise bad("width", "must be > 0")
-        if not self.bank_anchor_weight >= 0:
-            raise bad("bank_anchor_weight", "must be >= 0")
-        if self.final_round_frac is not None and not 0 <= self.final_round_frac <= 1:
-            raise bad("final_round_frac", "must be in [0, 1]")
-        if self.retrain_epochs is not None and self.retrain_epochs < 1:
-            raise bad("retrain_epochs", "must be >= 1")
-        for key in ("gff_m", "grad_samples", "retrain_batch", "simclr_every", "simclr_proj_dim", "head_basis_dim"):
+        for key in ("simclr_proj_dim", "head_basis_dim"):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
         if self.simclr_batch < 2:
             raise bad("simclr_batch", "must be >= 2 (NT-Xent needs negatives)")
-        if self.gff_lambda is not None and self.gff_lambda < 0:
-            raise bad("gff_lambda", "must be >= 0 (or null for m / mean class count)")
-        for key in ("match_steps", "simclr_steps", "pretrain_steps"):
+        for key in ("pretrain_steps",):
             if getattr(self, key) < 0:
                 raise bad(key, "must be >= 0")
-        for key in ("match_lr", "retrain_lr", "simclr_lr", "simclr_tau", "pretrain_lr"):
+        for key in ("simclr_tau", "pretrain_lr"):
             if not getattr(self, key) > 0:
                 raise bad(key, "must be > 0")
-        if not 0 <= self.gs_tau <= 1:
-            raise bad("gs_tau", "must be in [0, 1]")
         if not self.flower_timeout > 0 or self.flower_wait_s < 0:
             raise bad("flower_timeout", "flower_timeout must be > 0 and flower_wait_s >= 0")
         if not 0 <= self.warmup_rounds < max(self.rounds, 1):
             raise bad("warmup_rounds", f"must be in [0, rounds={self.rounds})")
-        if not 0 <= self.dafl_lambda <= 1:
-            raise bad("dafl_lambda", "must be in [0, 1]")
-        if not 0 <= self.gamma_init <= self.gamma_max:
-            raise bad("gamma_init", f"must be in [0, gamma_max={self.gamma_max}]")
+        self._validate_prior()
+
+    def _validate_prior(self) -> None:
+        """Calibration and the prior-aware evaluation's settings."""
+        bad = self.bad
         if not (math.isfinite(self.calib_l2) and self.calib_l2 >= 0):
             raise bad("calib_l2", "must be a finite number >= 0")
         if not 0 <= self.calib_holdout < 0.5:
@@ -391,6 +391,10 @@ class RunConfig:
             self.prior_smoothing_value()
         except ValueError as exc:
             raise bad("prior_smoothing", str(exc)) from None
+
+    def _validate_data(self) -> None:
+        """The data source's keys agree with each other."""
+        bad = self.bad
         if self.dataset == "folder" and (not self.data_root or not self.labels):
             raise ConfigError("dataset 'folder' needs --data-root DIR and --labels FILE.csv")
         if self.site and not self.client_column:
@@ -400,32 +404,15 @@ class RunConfig:
                 raise bad(key, "reads a column of the labels CSV: only for dataset 'folder'")
         if self.centralised and self.engine != "simulator":
             raise bad("centralised", "trains one model on pooled data: it runs in the simulator (--engine simulator)")
-        if self.local_adjust and self.method not in ("fedavg", "fedprox"):
-            raise bad("local_adjust", f"applies to fedavg and fedprox, not {self.method}")
-        self._validate_privacy(bad)
-        if self.client_column and self.imbalance_factor is not None:
-            raise bad("imbalance_factor", "with client_column every site keeps its own long tail; set it to null "
-                                          "(--imbalance-factor none)")
-        return self
 
-
-    def _validate_privacy(self, bad) -> None:
+    def _validate_privacy(self, own: MethodConfig) -> None:
         """DP and secure aggregation: what each needs, refused before any data is read (δ against the sites'
-        record counts is checked once the data are loaded: tafl.training.simulator)."""
+        record counts is checked once the data are loaded: tafl.training.simulator). `own`: the running method's
+        config, whose rules come first (train scope, secure aggregation) and in the DP checks."""
+        bad = self.bad
         if self.dp_epsilon is not None and math.isinf(self.dp_epsilon) and self.dp_epsilon > 0:
             self.dp_epsilon = None  # ε = ∞: no DP
-        if self.train_scope == "head" and self.method == "dafl":
-            raise bad("train_scope", "ViT-DAFL trains its whole network with its own loss; the head-only scope is for "
-                                     "fedavg, fedprox, creff and gtafl")
-        if self.method == "lda" and self.train_scope != "head":
-            raise bad("train_scope", "lda fits the head from class sums of the fixed extractor's features: it needs "
-                                     "train_scope head (leave it unset)")
-        if self.method == "lda" and self.secure_aggregation and self.frac < 1:
-            raise bad("frac", "lda under SecAgg+ fits from one secure sum, which must hold every site: use --frac 1 "
-                              "--rounds 1")
-        if self.method == "lda" and self.secure_aggregation and self.rounds != 1:
-            raise bad("rounds", "lda under SecAgg+ sums each site's one release once: a second sum over a different "
-                                "set of sites would give a site's share away by differencing; use --rounds 1")
+        own.check_run(self)
         if self.train_scope == "head" and self.simclr_pool == "train":
             raise bad("simclr_pool", "the head basis is computed on the server's own images: 'train' would give it the "
                                      "sites' training images; use val")
@@ -438,9 +425,6 @@ class RunConfig:
                 raise bad("secure_aggregation", f"SecAgg+ hides one site's numbers in a sum over at least "
                                                 f"{SECAGG_MIN_CLIENTS} sites, and this run has {per_round} a round "
                                                 f"({self.clients} clients, frac {self.frac}): raise --clients/--frac")
-            if self.method == "dafl":
-                raise bad("secure_aggregation", "ViT-DAFL weights each site by its own class counts, which a sum "
-                                                "cannot give: use fedavg, fedprox, creff or gtafl")
         if self.dp_epsilon is None:
             return
         if not (math.isfinite(self.dp_epsilon) and self.dp_epsilon > 0):
@@ -451,37 +435,43 @@ class RunConfig:
             v = getattr(self, key)
             if not (math.isfinite(v) and v > 0):
                 raise bad(key, "must be a finite number > 0")
-        why = {"dafl": "ViT-DAFL's learnable focal loss and per-client class weights have no per-image bound here",
-               }.get(self.method)
-        if why:
-            raise bad("dp_epsilon", f"differential privacy is not supported for method '{self.method}': {why}; use "
-                                    "fedavg, fedprox, creff or gtafl")
+        own.check_private(self)
         if self.backbone != "resnet8":
             raise bad("dp_epsilon", f"differential privacy trains the ResNet-8 (GroupNorm in place of BatchNorm, as "
                                     f"DP-SGD needs); backbone '{self.backbone}' is not supported")
         if self.calibration != "none":
             raise bad("calibration", "federated calibration's NLL sums have no per-image bound yet, so a DP run "
                                      "cannot release them: use --calibration none with --dp-epsilon")
-        if self.method == "gtafl" and self.gs:
-            raise bad("gs", "GI-GDS samples a site's rare-class images with probability near 1, which removes "
-                            "DP-SGD's subsampling bound: use --no-gs with --dp-epsilon")
-        if self.local_adjust:
-            raise bad("local_adjust", "the local logit adjustment reads the site's exact class counts: not with DP")
-        if self.simclr_pool == "train" and ((self.method == "gtafl" and self.cl) or self.pretrain_steps):
+        if self.simclr_pool == "train" and (own.uses_server_pool(self) or self.pretrain_steps):
             raise bad("simclr_pool", "'train' gives the server the sites' training images: use val with DP")
         if self.centralised:
             raise bad("centralised", "pools every site's images on one machine: there is nothing for DP to protect "
                                      "between sites; train federated with --dp-epsilon")
 
 
+_SHARED = frozenset(f.name for f in dataclasses.fields(RunConfig))
+
+
 def field_docs() -> dict[str, str]:
-    """Each RunConfig field's documentation: the comment lines right above it and the comment after it, read from
-    this file's source, the one place the fields are documented (`tafl train --help` shows them)."""
+    """Each setting's documentation: the comment lines right above its field and the comment after it, read from
+    the source of RunConfig and of each method config, the one place each is documented (`tafl train --help`
+    shows them)."""
+    import inspect
+
+    source = Path(__file__).read_text(encoding="utf-8")
+    docs = _comment_docs(source[source.index("class RunConfig:"):source.index("    def __post_init__")])
+    for cls in config_classes():
+        body = inspect.getsource(cls)
+        docs.update(_comment_docs(body.split("\n    def ", 1)[0]))  # the fields, not the methods after them
+    names = set(flat_keys())
+    return {k: v for k, v in docs.items() if k in names}
+
+
+def _comment_docs(body: str) -> dict[str, str]:
+    """field name -> its comments, from the source of a class body whose fields sit at column 4."""
     import io
     import tokenize
 
-    source = Path(__file__).read_text(encoding="utf-8")
-    body = source[source.index("class RunConfig:"):source.index("    def adapt_size_list")]
     docs: dict[str, str] = {}
     above: list[str] = []
     line_of_field: dict[int, str] = {}
@@ -502,8 +492,7 @@ def field_docs() -> dict[str, str]:
             above = []
         elif tok.type == tokenize.NL and not tok.line.strip():
             above = []
-    names = {f.name for f in dataclasses.fields(RunConfig)}
-    return {k: v for k, v in docs.items() if k in names}
+    return docs
 
 
 def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:

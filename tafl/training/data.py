@@ -26,6 +26,7 @@ import numpy as np
 from tafl.errors import DataError
 from tafl.files import sha256_file
 from tafl.imaging import Preprocess, decode_file
+from tafl.settings import env_str
 from tafl.training.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -362,7 +363,7 @@ def write_cache(cache: Path, **arrays: np.ndarray) -> bool:
 def _cache_path(cfg: RunConfig, key: str) -> Path | None:
     if cfg.cache_dir == "":
         return None
-    base = Path(cfg.cache_dir or os.environ.get("TAFL_CACHE", "~/.cache/tafl")).expanduser()
+    base = Path(cfg.cache_dir or env_str("TAFL_CACHE", "~/.cache/tafl")).expanduser()
     return base / f"folder-{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
 
 

@@ -1,6 +1,6 @@
 """Heatmaps: attention rollout and gradient-weighted rollout for ViTs, class activation maps for CNNs.
 
-Attention probabilities are observed through `AttnTap`, a module that replaces each timm block's
+Attention probabilities are observed through `models.AttnTap`, a module that replaces each timm block's
 `attn.attn_drop` (fused attention is off), stores what it sees and passes it on; the rollout is
 then plain tensor algebra inside `forward`, so it exports to ONNX with the rest of the graph.
 Rollout (Abnar & Zuidema 2020): per layer, mean over heads, add the identity, renormalise rows,
@@ -19,29 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-class AttnTap(nn.Module):
-    """Stands in for `attn_drop`: records the attention probabilities, then applies the dropout."""
-
-    def __init__(self, drop: nn.Module):
-        super().__init__()
-        self.drop = drop
-        self.maps: list[torch.Tensor] = []
-        self.record = False
-
-    def forward(self, attn: torch.Tensor) -> torch.Tensor:  # (B, heads, N, N)
-        if self.record:
-            self.maps.append(attn)
-        return self.drop(attn)
-
-
-def install_taps(vit: nn.Module) -> list[AttnTap]:
-    taps = []
-    for blk in vit.blocks:
-        if not isinstance(blk.attn.attn_drop, AttnTap):
-            blk.attn.attn_drop = AttnTap(blk.attn.attn_drop)
-        taps.append(blk.attn.attn_drop)
-    return taps
+from tafl.training.models import AttnTap, install_taps  # noqa: F401  (install_taps: the exported graph's taps too)
 
 
 def vit_with_attention(vit: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -125,7 +103,7 @@ def explain_checkpoint(checkpoint: str | Path, image: str | Path, out: str | Pat
     from tafl.imaging.heatmap import overlay
     from tafl.imaging import Preprocess, decode_file
     from tafl.training.checkpoint import load_checkpoint
-    from tafl.training.methods import GlobalState
+    from tafl.training.contract import GlobalState
     from tafl.training.models import ModelConfig, build_model
 
     ck = load_checkpoint(checkpoint)

@@ -34,7 +34,7 @@ import torch
 from tafl.errors import ConfigError, DataError
 from tafl.training.config import RunConfig
 from tafl.training.longtail import holdout_split
-from tafl.training.methods.base import ClientData, ClientResult, Tensors, tensor_bytes
+from tafl.training.contract import ClientData, ClientResult, Tensors, tensor_bytes
 from tafl.training.secagg import (LAYOUT_RECORD, SUM_ID, SecAggParams, SecureBounds, SecureSumError,
                                   calibration_layout, census_layout,
                                   client_arrays, combine, is_secure, layout_from_json, round_layout, route_secagg,

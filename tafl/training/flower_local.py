@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tafl.errors import ServiceUnavailable
 from tafl.procs import free_port, kill_group, start_group, stop_group, wait_http
+from tafl.settings import child_environment, env_str
 
 APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "flower"
 
@@ -35,9 +36,9 @@ class LocalFederation:
         self.node_configs = node_configs or [f"partition-id={i} num-partitions={nodes}" for i in range(nodes)]
         # Flower's own processes start their helpers (flower-superexec, ...) by name: this interpreter's bin
         # folder goes first on their PATH, so a venv that was never activated works too
-        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        self.env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0",
-                        FLWR_DISABLE_UPDATE_CHECK="1", PATH=path)
+        path = os.pathsep.join([str(Path(sys.executable).parent), env_str("PATH", "")])
+        self.env = child_environment({"FLWR_HOME": str(self.home), "FLWR_TELEMETRY_ENABLED": "0",
+                                      "FLWR_DISABLE_UPDATE_CHECK": "1", "PATH": path})
         self.link: subprocess.Popen | None = None
         self.supernodes: list[subprocess.Popen] = []
         self.clientapps: list[subprocess.Popen | None] = []  # the warm ClientApp process of each node (None: cold)

@@ -196,14 +196,37 @@ def _build_vit(cfg: ModelConfig, pretrained: bool) -> nn.Module:
     except (AssertionError, ValueError, TypeError) as exc:
         raise ConfigError(f"cannot build timm model '{cfg.backbone}' at img_size {cfg.img_size} "
                           f"(patch {patch}): {exc}") from exc
-    from tafl.training.explain import install_taps
-
     for blk in getattr(model, "blocks", []):
         if hasattr(blk, "attn") and hasattr(blk.attn, "fused_attn"):
             blk.attn.fused_attn = False  # attention probabilities must be observable for rollout
     if hasattr(model, "blocks"):
         install_taps(model)
     return model
+
+
+# ---------------------------------------------------------------- attention taps (heatmaps)
+class AttnTap(nn.Module):
+    """Stands in for `attn_drop`: records the attention probabilities, then applies the dropout."""
+
+    def __init__(self, drop: nn.Module):
+        super().__init__()
+        self.drop = drop
+        self.maps: list[torch.Tensor] = []
+        self.record = False
+
+    def forward(self, attn: torch.Tensor) -> torch.Tensor:  # (B, heads, N, N)
+        if self.record:
+            self.maps.append(attn)
+        return self.drop(attn)
+
+
+def install_taps(vit: nn.Module) -> list[AttnTap]:
+    taps = []
+    for blk in vit.blocks:
+        if not isinstance(blk.attn.attn_drop, AttnTap):
+            blk.attn.attn_drop = AttnTap(blk.attn.attn_drop)
+        taps.append(blk.attn.attn_drop)
+    return taps
 
 
 # ---------------------------------------------------------------- the split model

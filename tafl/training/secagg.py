@@ -524,7 +524,7 @@ def combine(sums: Mapping[str, np.ndarray], layout: Layout, payload: Mapping[str
     plaintext flags all clients set. num_samples: Σ n_k."""
     import torch
 
-    from tafl.training.methods.base import ClientResult
+    from tafl.training.contract import ClientResult
 
     if "calib_n" in layout:  # a calibration round: the sums as one client's calibration statistics
         n_held = float(np.rint(sums["calib_n"][0]))

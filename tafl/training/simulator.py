@@ -32,8 +32,7 @@ from tafl.training.ensemble import vote_rule_accuracies
 from tafl.training.evaluate import balanced_accuracy, evaluate_outputs, predict
 from tafl.training.longtail import (class_ranks, client_class_counts, dirichlet_partition, holdout_split, make_longtail,
                                     ranks_from_counts, select_clients)
-from tafl.training.methods import GlobalState, Method, method_class
-from tafl.training.methods.base import ClientData, tensor_bytes
+from tafl.training.contract import ClientData, GlobalState, Method, method_class, tensor_bytes
 from tafl.training.models import ModelConfig
 from tafl.training.report import write_json, write_report
 from tafl.training.transport import InProcessTransport, Transport
@@ -495,7 +494,7 @@ def _check_compatible(ck: dict[str, Any], prep: Prepared) -> None:
 def server_pool(cfg: RunConfig, ds: Dataset) -> torch.Tensor | None:
     """The server's unlabeled images for SimCLR (GTAFL's, and the extractor's pre-training): a split's images,
     never its labels."""
-    if not (cfg.method == "gtafl" and cfg.cl) and not cfg.pretrain_steps and cfg.train_scope != "head":
+    if not cfg.settings().uses_server_pool(cfg) and not cfg.pretrain_steps and cfg.train_scope != "head":
         return None
     split = {"val": ds.val, "test": ds.test, "train": ds.train}[cfg.simclr_pool]
     if cfg.simclr_pool == "test":
@@ -598,8 +597,7 @@ def check_divergence(history: list[dict[str, Any]], state: GlobalState, cfg: Run
         from tafl.errors import TrainingDiverged
 
         hint = ("lower --lr" + (" or use --optimizer adam" if cfg.optimizer == "sgd" else "")
-                + (" (with --dafl-scale paper the loss is ~100x cross-entropy: try --dafl-scale mean)"
-                   if cfg.method == "dafl" and cfg.dafl_scale == "paper" and cfg.loss == "dafl" else ""))
+                + cfg.settings().divergence_hint(cfg))
         raise TrainingDiverged(f"training diverged in round {h['round']}: {why}. No model was written; the "
                                f"checkpoints of earlier rounds are kept. Try: {hint}.")
 

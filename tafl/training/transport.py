@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tafl.training.methods.base import ClientData, ClientResult, Method, Tensors, tensor_bytes
+from tafl.training.contract import ClientData, ClientResult, Method, Tensors, tensor_bytes
 
 
 class Transport:

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
 
 from tafl.training.aggregate import check_results, weighted_average  # noqa: E402
-from tafl.training.methods.base import ClientResult  # noqa: E402
+from tafl.training.contract import ClientResult  # noqa: E402
 
 
 def test_weighted_average_matches_hand_computation():

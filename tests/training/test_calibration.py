@@ -12,8 +12,7 @@ from tafl.prior import fit_calibration  # noqa: E402
 from tafl.training.checkpoint import load_checkpoint  # noqa: E402
 from tafl.training.config import load_config  # noqa: E402
 from tafl.training.longtail import DISTRIBUTION_NAMES, dirichlet_partition, holdout_split  # noqa: E402
-from tafl.training.methods import GlobalState  # noqa: E402
-from tafl.training.methods.base import ClientResult  # noqa: E402
+from tafl.training.contract import ClientResult, GlobalState  # noqa: E402
 from tafl.training.simulator import (  # noqa: E402
     adaptation_accuracies, calibration_problem, make_method, prepare, train)
 from tests.conftest import CONFIGS, SMOKE_GTAFL  # noqa: E402

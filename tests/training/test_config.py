@@ -6,6 +6,7 @@ import pytest
 
 from tafl.errors import ConfigError
 from tafl.training.config import RunConfig, load_config
+from tafl.training.contract import unregister_method
 from tests.conftest import CONFIGS
 
 
@@ -75,10 +76,12 @@ def test_methods_come_from_the_one_registry(monkeypatch):
         assert RunConfig.from_dict({"method": name}).validate().method == name
         assert issubclass(methods.method_class(name), methods.Method)
     # a method added to the registry is a valid config value: config keeps no list of its own
-    monkeypatch.setitem(methods.REGISTRY, "fedsgd", ("fedavg", "FedAvg"))
-    assert RunConfig.from_dict({"method": "fedsgd"}).validate().method == "fedsgd"
-    assert methods.method_class("fedsgd") is methods.method_class("fedavg")
-    monkeypatch.delitem(methods.REGISTRY, "fedsgd")
+    methods.register_method("fedsgd")(methods.method_class("fedavg"))
+    try:
+        assert RunConfig.from_dict({"method": "fedsgd"}).validate().method == "fedsgd"
+        assert methods.method_class("fedsgd") is methods.method_class("fedavg")
+    finally:
+        unregister_method("fedsgd")
     with pytest.raises(ConfigError, match="choose one of fedavg, fedprox, creff, gtafl, dafl"):
         methods.method_class("fedsgd")
     # validating a config loads no method and no torch

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip i
 from torch.nn import functional as F  # noqa: E402
 
 from tafl.training.explain import attention_rollout, grad_rollout, rollout_from, vit_with_attention  # noqa: E402
-from tafl.training.methods.base import ClientData  # noqa: E402
+from tafl.training.contract import ClientData  # noqa: E402
 from tafl.training.methods.dafl import DAFLLoss, aggregation_weights, class_imbalance, client_imbalance  # noqa: E402
 from tafl.training.models import ModelConfig, build_model  # noqa: E402
 from tafl.training.simulator import make_method, prepare, train  # noqa: E402

@@ -103,7 +103,7 @@ def test_gtafls_vote_moves_on_validation_and_the_package_carries_it(gtafl_op_run
     from tafl.training.decision import uniform_macro_f1
     from tafl.training.evaluate import predict
     from tafl.training.simulator import make_method
-    from tafl.training.methods.base import GlobalState
+    from tafl.training.contract import GlobalState
     from tafl.imaging import Preprocess
 
     report = json.loads((gtafl_op_run / "report.json").read_text())

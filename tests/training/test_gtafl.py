@@ -208,7 +208,7 @@ def test_gtafl_resume_after_kill_loses_nothing(tmp_path, smoke_cfg):
 
 
 def _method_and_clients(cfg):
-    from tafl.training.methods.base import ClientData
+    from tafl.training.contract import ClientData
 
     prep = prepare(cfg)
     m = make_method(cfg, prep.model_cfg, prep.dataset.preprocess)
@@ -349,7 +349,7 @@ def test_creff_keeps_its_published_normal_banks_and_sends_no_statistics(smoke_cf
     m, clients, state = _method_and_clients(smoke_cfg)
     res2 = m.client_update(m.broadcast(state), clients[0], m.round_config(state, {}, 1))
     assert {"stat_sum", "stat_sumsq", "stat_count"} <= set(res2.extras)
-    from tafl.training.methods.base import tensor_bytes
+    from tafl.training.contract import tensor_bytes
     assert tensor_bytes(res2.extras) > tensor_bytes(res.extras)  # they travel, and are counted
 
 

@@ -40,7 +40,7 @@ def test_a_site_without_a_class_does_not_push_that_class_down():
 
 def test_the_model_describes_a_flattened_mix_and_the_option_is_checked():
     from tafl.imaging import Preprocess
-    from tafl.training.methods import GlobalState
+    from tafl.training.contract import GlobalState
     from tafl.training.methods.fedavg import FedAvg
     from tafl.training.models import ModelConfig
 

@@ -110,7 +110,7 @@ def _gtafl(overrides=None):
 
 
 def test_gtafl_s_noisy_statistics_pass_the_server_s_checks_and_hide_a_two_image_class():
-    from tafl.training.methods.base import ClientResult
+    from tafl.training.contract import ClientResult
 
     m = _gtafl()
     D = m.model.feature_dim

@@ -250,7 +250,7 @@ def fake_round(K: int = 4, C: int = 5, E: int = 3, D: int = 8, G: int = 32):
     import torch
 
     from tafl.training import gff
-    from tafl.training.methods.base import ClientResult
+    from tafl.training.contract import ClientResult
 
     g = torch.Generator().manual_seed(3)
     payload = {"conv.weight": torch.randn(6, 3, generator=g), "bn.running_mean": torch.randn(6, generator=g),
@@ -357,7 +357,7 @@ def test_client_arrays_and_combine_reproduce_the_plaintext_aggregation():
     for features_only in (False, True):
         rs = results
         if features_only:  # the finishing round: no weights, no local training
-            from tafl.training.methods.base import ClientResult
+            from tafl.training.contract import ClientResult
 
             rs = [ClientResult(r.client_id, r.num_samples, {}, r.extras, {"features_only": 1.0}) for r in results]
         layout = the_layout(payload, rs, shape, SecureBounds(), features_only)
@@ -371,7 +371,7 @@ def test_client_arrays_and_combine_reproduce_the_plaintext_aggregation():
         check_combined(comb, payload, rs, shape, lambda key: 1e-9)
     # FedAvg: weights only; a result carrying extras the layout does not name is refused (the client answers an error)
     from tafl.training.aggregate import weighted_average
-    from tafl.training.methods.base import ClientResult
+    from tafl.training.contract import ClientResult
     from tafl.training.secagg import round_layout
 
     plain_rs = [ClientResult(r.client_id, r.num_samples, r.weights, {}, r.metrics) for r in results]
@@ -423,7 +423,7 @@ def test_federated_calibration_through_secagg_fits_what_the_plaintext_sums_fit(s
     from flwr.clientapp import ClientApp
 
     from tafl.prior import NewtonCalibrator, nll_stats, sum_stats
-    from tafl.training.methods.base import ClientResult
+    from tafl.training.contract import ClientResult
     from tafl.training.secagg import (CALIB_KEYS, LAYOUT_RECORD, SecureBounds, calibration_layout, client_arrays,
                                       combine, layout_from_json)
     from tafl.training.simulator import calibration_problem

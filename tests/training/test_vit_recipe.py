@@ -15,7 +15,7 @@ from tafl.errors import ConfigError, TrainingDiverged  # noqa: E402
 from tafl.training.config import RunConfig  # noqa: E402
 from tafl.training.explain import attention_rollout  # noqa: E402
 from tafl.training.local import PolicyAugment, scheduled_lr  # noqa: E402
-from tafl.training.methods.base import GlobalState  # noqa: E402
+from tafl.training.contract import GlobalState  # noqa: E402
 from tafl.training.methods.dafl import class_imbalance, class_normaliser, loss_coefficients  # noqa: E402
 from tafl.training.models import ConvTokenizer, ModelConfig, build_model  # noqa: E402
 from tafl.training.simulator import check_divergence, train  # noqa: E402

@@ -1,54 +1,32 @@
-"""FL methods by name: the one registry. Each is a `Method` implementing the transport-free steps of `base`.
+"""FL methods by name. Each is a `tafl.training.contract.Method`, registered where it is defined
+(`@register_method`); most extend `base.ClassifierMethod`, which composes the shared helpers.
 
-`REGISTRY` maps a method's name to the module and class that implement it; importing this package
-loads none of them (nor torch), so `tafl.training.config` validates names against its keys at no
-cost. `method_class(name)` imports the class; `METHODS` and the `base` names
-(`ClientData`, `ClientResult`, `GlobalState`, `Method`) load on first access.
+Importing this package declares the built-in methods and registers their settings (the torch-free `*_config.py`
+beside each), but loads no method and no torch: `tafl.training.config` validates names and settings at no cost,
+and `method_class(name)` imports a method's module when it is first asked for. The contract's names
+(`ClientData`, `ClientResult`, `GlobalState`, `Method`) are re-exported here; `METHODS` (every method class) loads
+them all on first access.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tafl.errors import ConfigError
+from tafl.training.contract import (ClientData, ClientResult, GlobalState, Method, MethodConfig, config_class,
+                                    declare_builtin, method_class, method_names, register_config, register_method)
+from tafl.training.methods import dafl_config, fedavg_config, gtafl_config, lda_config  # noqa: F401  (they register)
 
-if TYPE_CHECKING:
-    from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method
-
-# name -> (module under tafl.training.methods, class)
-REGISTRY: dict[str, tuple[str, str]] = {
-    "fedavg": ("fedavg", "FedAvg"),
-    "fedprox": ("fedavg", "FedProx"),
-    "creff": ("gtafl", "CReFF"),
-    "gtafl": ("gtafl", "GTAFL"),
-    "dafl": ("dafl", "DAFL"),
-    "lda": ("lda", "LDA"),
-}
+# name -> the module that registers it, in the order --help and error messages list them
+for _name, _module in (("fedavg", "fedavg"), ("fedprox", "fedavg"), ("creff", "gtafl"), ("gtafl", "gtafl"),
+                       ("dafl", "dafl"), ("lda", "lda")):
+    declare_builtin(_name, f"{__name__}.{_module}")
 
 
-def method_names() -> tuple[str, ...]:
-    return tuple(REGISTRY)
-
-
-def method_class(name: str) -> type[Method]:
-    try:
-        module, cls = REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"method '{name}' is not available; choose one of {', '.join(method_names())}") from None
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
-
-
-_BASE_NAMES = ("ClientData", "ClientResult", "GlobalState", "Method")
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: the torch-heavy names load when first asked for
-    if name in _BASE_NAMES:
-        return getattr(importlib.import_module(f"{__name__}.base"), name)
+def __getattr__(name: str) -> Any:  # PEP 562: every method class, loaded (with torch) when first asked for
     if name == "METHODS":
-        return {n: method_class(n) for n in REGISTRY}
+        return {n: method_class(n) for n in method_names()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ClientData", "ClientResult", "GlobalState", "Method", "METHODS", "REGISTRY", "method_class",
-           "method_names"]
+__all__ = ["ClientData", "ClientResult", "GlobalState", "METHODS", "Method", "MethodConfig", "config_class",
+           "method_class", "method_names", "register_config", "register_method"]

@@ -21,7 +21,6 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,11 +31,11 @@ from tafl.errors import ConfigError
 from tafl.imaging import Preprocess
 from tafl.training.aggregate import weighted_average
 from tafl.training.config import RunConfig
+from tafl.training.contract import ClientData, ClientResult, GlobalState, Method, Tensors
 from tafl.training.models import Classifier, ModelConfig, build_model
 
 log = logging.getLogger(__name__)
 
-Tensors = dict[str, torch.Tensor]
 SERVER = 1 << 20  # the id server-side random streams use in place of a client id
 
 
@@ -101,57 +100,9 @@ class BasisHead(nn.Module):
             head.bias.add_(self.delta.bias - ap @ self.mean)
 
 
-@dataclass
-class ClientData:
-    """One client's local data: indices into image/label tensors (shared in simulation)."""
-
-    client_id: int
-    images: torch.Tensor  # uint8 (N_all, H, W, C)
-    labels: torch.Tensor  # int64 (N_all,)
-    indices: torch.Tensor  # int64 (n,) this client's rows
-    num_classes: int
-    holdout: torch.Tensor | None = None  # int64 rows held out of training for the calibration round
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    @property
-    def local_labels(self) -> torch.Tensor:
-        return self.labels[self.indices]
-
-    def class_counts(self) -> torch.Tensor:
-        return torch.bincount(self.local_labels, minlength=self.num_classes)
-
-
-@dataclass
-class ClientResult:
-    client_id: int
-    num_samples: int
-    weights: Tensors  # the updated model state (extractor, head, BatchNorm buffers)
-    extras: Tensors = field(default_factory=dict)  # method extras: expert gradients, statistics
-    metrics: dict[str, float] = field(default_factory=dict)  # loss etc.
-
-
-@dataclass
-class GlobalState:
-    weights: Tensors  # the global model state
-    extras: Tensors = field(default_factory=dict)  # method state: expert heads, GFF banks, counts
-    meta: dict[str, Any] = field(default_factory=dict)  # JSON-able bookkeeping
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights, "extras": self.extras, "meta": self.meta}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GlobalState:
-        return cls(dict(d["weights"]), dict(d.get("extras", {})), dict(d.get("meta", {})))
-
-
-def tensor_bytes(tensors: Tensors) -> int:
-    return int(sum(t.numel() * t.element_size() for t in tensors.values()))
-
-
-class Method:
-    """Base: FedAvg-style training of one `Classifier`. Subclasses override the steps they change."""
+class ClassifierMethod(Method):
+    """FedAvg-style training of one `Classifier`: the shared implementation of the contract's steps. Subclasses
+    define `client_update` and `server_update` and override the steps they change."""
 
     name = "base"
     trains = True  # the sites train weights and report their local loss (lda: they only send class sums)
@@ -352,19 +303,6 @@ class Method:
         avg = weighted_average([self.scoped(r.weights) for r in good], [r.num_samples for r in good])
         return {k: avg.get(k, v) for k, v in state.weights.items()}
 
-    def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
-        raise NotImplementedError
-
-    def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
-        raise NotImplementedError
-
-    def finish_config(self, state: GlobalState) -> dict[str, Any] | None:
-        """The round config of a features-only finishing round after the last round, or None (no such round)."""
-        return None
-
-    def server_finish(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
-        raise NotImplementedError
-
     # ---- inference ----
     def inference_model(self, state: GlobalState) -> nn.Module:
         """A module mapping a normalised batch to {"probs": (B, C), "label": (B,)}; the label at the run's
@@ -379,8 +317,6 @@ class Method:
         model = build_model(self.model_cfg)
         model.load_state_dict(state.weights)
         return ProbsAndLabel(model, offset).eval()
-
-    output_keys: tuple[str, ...] = ("probs", "label")  # what evaluation collects from the inference model
 
     def choose_operating_point(self, state: GlobalState, images: np.ndarray, labels: np.ndarray,
                                batch_size: int) -> GlobalState:
@@ -420,10 +356,6 @@ class Method:
         return {"steps": int(cfg.pretrain_steps), "pool": cfg.simclr_pool, "images": int(len(self.pool)),
                 "loss": float(loss), "seconds": round(time.perf_counter() - t0, 1)}
 
-    def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
-        """Method-specific report sections (e.g. each expert's accuracies); none by default."""
-        return {}
-
     # ---- calibration and prior adaptation (tafl.prior) ----
     def calibration_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
         """A calibration round on a client: the NLL statistics of its held-out rows at the round's (scale,
@@ -457,14 +389,6 @@ class Method:
         out = predict(self.posterior_module(payload), images_u8, self.normalize, self.cfg.eval_batch_size,
                       keys=self.output_keys)
         return self.posterior_logits(out)
-
-    def posterior_logits(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
-        """(N, C) logits of the posteriors that calibration and prior estimation use (log-probabilities:
-        softmax is unchanged by a per-row constant)."""
-        return np.log(np.clip(np.asarray(outputs["probs"], np.float64), 1e-12, None))
-
-    def posterior_description(self) -> str:
-        return "the model's softmax"
 
     def default_source_prior(self, state: GlobalState) -> np.ndarray:
         """The prior the uncalibrated posteriors describe: the training data's class mix."""

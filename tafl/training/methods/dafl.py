@@ -28,7 +28,8 @@ from torch.nn import functional as F
 
 from tafl.training.aggregate import check_results, weighted_average
 from tafl.training.local import local_sgd
-from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method, Tensors
+from tafl.training.contract import ClientData, ClientResult, GlobalState, Tensors, register_method
+from tafl.training.methods.base import ClassifierMethod
 
 log = logging.getLogger(__name__)
 EPS = 1e-6
@@ -100,7 +101,8 @@ class DAFLLoss(nn.Module):
         self.gamma.clamp_(0.0, self.gamma_max)
 
 
-class DAFL(Method):
+@register_method("dafl")
+class DAFL(ClassifierMethod):
     name = "dafl"
 
     def init_state(self, train_counts: np.ndarray) -> GlobalState:

@@ -17,12 +17,14 @@ import numpy as np
 
 from tafl.training.aggregate import check_results
 from tafl.training.local import logit_adjusted_loss
-from tafl.training.methods.base import ClientData, ClientResult, GlobalState, Method, Tensors, split_basis
+from tafl.training.contract import ClientData, ClientResult, GlobalState, Tensors, register_method
+from tafl.training.methods.base import ClassifierMethod, split_basis
 
 log = logging.getLogger(__name__)
 
 
-class FedAvg(Method):
+@register_method("fedavg")
+class FedAvg(ClassifierMethod):
     name = "fedavg"
     prox_mu = 0.0
 
@@ -56,6 +58,7 @@ class FedAvg(Method):
         return GlobalState(self.aggregate_update(state, good), state.extras, meta)
 
 
+@register_method("fedprox")
 class FedProx(FedAvg):
     name = "fedprox"
 

@@ -36,8 +36,8 @@ from tafl.training.aggregate import check_results
 from tafl.training.ensemble import ExpertEnsemble, learn_vote_weights, vote_rule_accuracies, vote_weights
 from tafl.training.evaluate import evaluate_outputs, predict
 from tafl.training.longtail import DISTRIBUTIONS, distribution_prior, ranks_from_counts
-from tafl.training.methods.base import (SERVER, ClientData, ClientResult, GlobalState, Method, ProbsAndLabel,
-                                        Tensors, split_basis)
+from tafl.training.contract import ClientData, ClientResult, GlobalState, Tensors, register_method
+from tafl.training.methods.base import SERVER, ClassifierMethod, ProbsAndLabel, split_basis
 from tafl.training.models import build_model
 from tafl.training.simclr import ProjectionHead, simclr_refine
 
@@ -54,7 +54,8 @@ def gigds_class_weights(local_counts: torch.Tensor, global_counts: torch.Tensor,
     return (alpha / (m + eps) + (1 - alpha) / (M + eps)).to(torch.float32), alpha
 
 
-class GTAFL(Method):
+@register_method("gtafl")
+class GTAFL(ClassifierMethod):
     name = "gtafl"
 
     def __init__(self, cfg, model_cfg, preprocess, device="cpu"):
@@ -480,7 +481,7 @@ class GTAFL(Method):
         module = self.inference_model(state).to(self.device)
         out = predict(module, images, self.normalize, batch_size, keys=("expert_probs",))
         logp = torch.log(torch.as_tensor(np.asarray(out["expert_probs"]), dtype=torch.float64).clamp_min(1e-12))
-        train_mix = Method.default_source_prior(self, state)  # the training mix (GTAFL's own says uniform)
+        train_mix = ClassifierMethod.default_source_prior(self, state)  # the training mix (GTAFL's own says uniform)
 
         def vote(offset: np.ndarray) -> np.ndarray:
             with torch.no_grad():
@@ -528,6 +529,7 @@ class GTAFL(Method):
         return rep
 
 
+@register_method("creff")
 class CReFF(GTAFL):
     """CReFF (Shang et al., IJCAI 2022): one uniform expert, no GI-GDS, no SimCLR."""
 

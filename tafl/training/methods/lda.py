@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tafl.training.methods.base import BASIS, ClientData, ClientResult, GlobalState, Method, Tensors, split_basis
+from tafl.training.contract import ClientData, ClientResult, GlobalState, Tensors, register_method
+from tafl.training.methods.base import BASIS, ClassifierMethod, split_basis
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def fit_lda(sums: np.ndarray, counts: np.ndarray, shrink: float = SHRINK) -> tup
     return W, b
 
 
-class LDA(Method):
+@register_method("lda")
+class LDA(ClassifierMethod):
     name = "lda"
     trains = False
 
