@@ -161,7 +161,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from tafl.training.config import RunConfig
     from tafl.training.data import load_dataset
     from tafl.training.report import write_report
-    from tafl.training.simulator import evaluate_checkpoint
+    from tafl.training.checkpoint_eval import evaluate_checkpoint
 
     ck = load_checkpoint(ns.checkpoint)
     cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")

@@ -1,0 +1,103 @@
+"""Federated calibration after training (tafl.prior): damped Newton rounds on the NLL of every client's held-out
+rows, of which only sums leave a client."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from tafl.training.config import RunConfig
+from tafl.training.contract import GlobalState, Method
+from tafl.training.rounds import charge
+from tafl.training.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+CALIB_KEYS = ("nll", "grad", "hess", "counts", "n")
+
+
+def calibration_problem(r, num_classes: int, params: int) -> str | None:
+    """Why a client's calibration statistics cannot be summed, or None."""
+    e = r.extras
+    shapes = {"nll": (1,), "grad": (params,), "hess": (params, params), "counts": (num_classes,), "n": (1,)}
+    for k, shape in shapes.items():
+        t = e.get(f"calib_{k}")
+        if t is None or tuple(t.shape) != shape:
+            return f"calib_{k} is missing or not of shape {shape}"
+        if not bool(torch.isfinite(t).all()):
+            return f"calib_{k} contains NaN or Inf"
+    counts, n = e["calib_counts"], float(e["calib_n"][0])
+    if bool((counts < 0).any()) or abs(float(counts.sum()) - n) > 1e-6 or n < 0:
+        return "calibration counts are negative or do not add up to the number of images"
+    return None
+
+
+def calibrate(method: Method, state: GlobalState, transport: Transport, cfg: RunConfig,
+              book: dict[str, Any]) -> GlobalState:
+    """The federated calibration (tafl.prior): damped Newton rounds on the NLL of every client's held-out rows.
+
+    Each round sends the current (scale, bias); each client answers sums over its held-out rows (NLL, gradient,
+    Hessian, class counts), so the fit equals one on the pooled held-out rows without pooling them. The clients
+    that answer the first round are the calibration set; a later round missing one of them ends the fit at the
+    best point so far. The source prior is the pooled held-out rows' class mix."""
+    from tafl.prior import NewtonCalibrator, sum_stats
+    from tafl.prior import n_params as prior_n_params
+
+    t_start = time.perf_counter()
+    C = int(method.model_cfg.num_classes)
+    cal = NewtonCalibrator(C, cfg.calibration, cfg.calib_rounds, bias_l2=cfg.calib_l2, scale_l2=cfg.calib_l2)
+    n_params = prior_n_params(cfg.calibration, C)
+    ids = list(range(transport.num_clients))
+    payload = method.broadcast(state)
+    round_id = cfg.rounds + 2  # after the finishing round's rounds + 1
+    members: set[int] | None = None
+    cover: frozenset[int] = frozenset()
+    counts = None
+    params = cal.params()
+    dropped: set[int] = set()
+    while params is not None:
+        scale, bias = params
+        scale = float(scale) if np.ndim(scale) == 0 else [float(v) for v in scale]  # JSON for Flower
+        round_cfg = {"round": round_id, "seed": cfg.seed, "calibrate": cfg.calibration, "scale": scale,
+                     "bias": None if bias is None else [float(v) for v in bias]}
+        results, cost = transport.train(ids, payload, round_cfg)
+        charge(book, cost)
+        good = {}
+        for r in results:
+            why = calibration_problem(r, C, n_params)
+            if why is None:
+                good[r.client_id] = r
+            elif r.client_id not in dropped:
+                dropped.add(r.client_id)
+                log.warning("calibration: dropping client %s: %s", r.client_id, why)
+        # under secure aggregation one result stands for the sum over the clients the cost lists as answered
+        covered = frozenset(cost.get("answered") or ())
+        if members is None:
+            members = {k for k, r in good.items() if float(r.extras["calib_n"][0]) > 0}
+            cover = covered
+            if not members:
+                log.warning("calibration: no client sent held-out statistics; the model stays uncalibrated")
+                return state
+        if not members <= set(good) or covered != cover:
+            log.warning("calibration: client(s) %s did not answer round %d; keeping the best fit so far",
+                        sorted((members - set(good)) | (cover ^ covered)), cal.iterations + 1)
+            break
+        totals = sum_stats([{k: good[c].extras[f"calib_{k}"].numpy() for k in CALIB_KEYS} for c in sorted(members)])
+        cal.noise = sum(float(good[c].metrics.get("calib_nll_error", 0.0)) for c in members)  # secure sums' error
+        counts = totals["counts"]
+        params = cal.step(totals)
+    if cal.best is None or counts is None:
+        return state
+    calibration = cal.result(counts / counts.sum())
+    calibration.fit.update(clients=sorted(cover or members or []), dropped=sorted(dropped),
+                           seconds=time.perf_counter() - t_start)
+    book["calibration"] = calibration.to_dict()
+    log.info("calibration (%s): T %.3f on %d held-out images of %d clients, NLL %.4f -> %.4f in %d rounds",
+             cfg.calibration, calibration.temperature, calibration.fit["images"], len(cover or members or []),
+             calibration.fit["nll_before"], calibration.fit["nll_after"], calibration.fit["iterations"])
+    return GlobalState(state.weights, state.extras, dict(state.meta, calibration=calibration.to_dict()))
