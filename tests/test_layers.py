@@ -94,7 +94,7 @@ def test_the_walk_sees_function_level_and_known_edges():
     found = {(s, d) for s, d, _ in edges()}
     assert ("tafl.packaging.export", "tafl.training.models") in found  # the one allowed upward reach
     assert ("tafl.serving.decoding", "tafl.imaging") in found
-    assert any(s == "tafl.cli" and d.startswith("tafl.training") for s, d in found)  # function-level imports
+    assert any(s.startswith("tafl.cli") and d.startswith("tafl.training") for s, d in found)  # function-level imports
 
 
 def test_the_rule_rejects_wrong_edges():

@@ -128,3 +128,36 @@ def test_training_and_the_command_line_read_the_environment_through_tafl_setting
 def test_the_environment_rule_sees_a_planted_offender():
     planted = "import os\nfrom os import environ\nx = os.environ.get('A')\ny = os.getenv('B')\n"
     assert environ_reads(planted) == ["line 2: from os import ...", "line 3: os.environ", "line 4: os.getenv"]
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 800, 100
+SIZE_SCOPE = sorted([*TRAINING.rglob("*.py"), *(TAFL / "cli").rglob("*.py")])
+
+
+def too_long(source: str, max_module: int = MAX_MODULE_LINES, max_function: int = MAX_FUNCTION_LINES) -> list[str]:
+    """The module itself when it runs past `max_module` lines, and every function (nested ones too) past
+    `max_function`: one job each, readable in one sitting."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > max_module:
+        found.append(f"module: {lines} lines")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > max_function:
+                found.append(f"{node.name} (line {node.lineno}): {n} lines")
+    return found
+
+
+@pytest.mark.parametrize("path", SIZE_SCOPE, ids=lambda p: str(p.relative_to(TAFL)))
+def test_modules_and_functions_in_training_and_the_command_line_stay_short(path):
+    assert too_long(path.read_text()) == []
+
+
+def test_the_size_rule_sees_a_planted_offender():
+    body = "".join(f"x{i} = {i}\n" for i in range(101))
+    indent = lambda text, n: "".join(" " * n + line + "\n" for line in text.splitlines())  # noqa: E731
+    planted = (f"def short():\n    return 1\n\n\ndef long():\n{indent(body, 4)}\n\n"
+               f"class A:\n    def m(self):\n{indent(body, 8)}")
+    assert too_long(planted, max_module=100) == [f"module: {len(planted.splitlines())} lines",
+                                                 "long (line 5): 102 lines", "m (line 110): 102 lines"]
