@@ -58,7 +58,7 @@ PLAIN_GTAFL = {"method": "gtafl", "gs": False, "calibration": "none", "calib_hol
 def _method(cfg_path: str, overrides: dict, prep, noise_seed: int):
     cfg = load_config(cfg_path, {**overrides, **PLAIN_GTAFL})
     m = method_class("gtafl")(cfg, prep.model_cfg, prep.dataset.preprocess)
-    m._noise = torch.Generator().manual_seed(noise_seed)  # a fixed draw per repeat (runs seed it from the OS)
+    m.privacy.noise = torch.Generator().manual_seed(noise_seed)  # a fixed draw per repeat (runs seed it from the OS)
     return m
 
 

@@ -202,7 +202,8 @@ class RunConfig:
     embed_dim: int | None = None  # ViT width override
     depth: int | None = None  # ViT depth override
     num_heads: int | None = None  # ViT heads override
-    tokenizer: str = "patch"  # ViT tokens: patch (timm's linear patch embedding) | conv (a conv stem, trains from scratch)
+    # ViT tokens: patch (timm's linear patch embedding) | conv (a conv stem, trains from scratch)
+    tokenizer: str = "patch"
     pretrained: str | None = None  # path to local weights, or "hub" to download (needs a network)
     # --- run ---
     engine: str = "simulator"  # simulator (in-process) | flower (Flower's simulation engine; see docs/flower.md)

@@ -16,19 +16,25 @@ checkpoint holds.
 
 `Method` is the contract a method implements: eight steps. What the drivers ask of a method beyond them is optional
 and has a default here (a finishing round, report sections, the posteriors calibration works on). Differential
-privacy, the head basis, feature caches and calibration are helpers a method composes
-(`tafl.training.methods.helpers`), not steps. A method registers itself where it is defined, with its own settings:
+privacy, the head basis, the feature cache, the local recipe and calibration are parts a method composes
+(tafl.training.methods: `dp.ClientPrivacy`, `head_basis.HeadBasis` and `FeatureCache`, `recipe.LocalRecipe`,
+`calibration.CalibrationClient`; `base.ClassifierMethod` wires them up), not steps it inherits. A method registers
+itself where it is defined, with its own settings (tests/training/test_toy_method.py is a whole method in one file):
 
     @dataclass
     class ToyConfig(MethodConfig):
-        toy_scale: float = 1.0  # the comment is the flag's --help
+        toy_step: float = 0.5  # the comment is the flag's --help
 
     @register_method("toy", config=ToyConfig)
-    class Toy(ClassifierMethod): ...
+    class Toy(ClassifierMethod):
+        opts_type = ToyConfig  # self.opts: this run's ToyConfig
+        def client_update(self, payload, data, round_cfg): ...
+        def server_update(self, state, results, round_): ...
 
-after which `--method toy --toy-scale 2` is a valid run configuration (`tafl.training.config.RunConfig`). The
+after which `--method toy --toy-step 0.25` is a valid run configuration (`tafl.training.config.RunConfig`). The
 built-in methods declare their module here without importing it (`declare_builtin`), so naming a method loads
-neither it nor torch until it runs; their settings live in torch-free `*_config.py` files beside them.
+neither it nor torch until it runs; their settings live in torch-free `*_config.py` files beside them, so the
+command line and config validation read them without the training stack.
 """
 
 from __future__ import annotations
@@ -128,8 +134,9 @@ class Method(ABC):
 
     Attributes the drivers read: `name` (the registered name), `trains` (False: the sites send statistics, never a
     loss), `output_keys` (what the inference module returns, collected by evaluation), `cfg` (the run's
-    `RunConfig`), `model_cfg`, `device`, `normalize` (uint8 (B, H, W, C) -> float (B, C, H, W)) and `dp` (whether
-    the run is record-level private): `tafl.training.methods.base.ClassifierMethod` provides them.
+    `RunConfig`), `model_cfg`, `device`, `normalize` (uint8 (B, H, W, C) -> float (B, C, H, W)), `dp` (whether
+    the run is record-level private) and, under DP, `privacy.plan(n)` (a client's plan, for the accountant):
+    `tafl.training.methods.base.ClassifierMethod` provides them.
     """
 
     name: ClassVar[str] = ""
@@ -172,6 +179,19 @@ class Method(ABC):
         case-mix estimator adapt from it)."""
 
     # ---- optional, with defaults ----
+    def attach_server_pool(self, images_u8: torch.Tensor | None) -> None:
+        """The server's unlabeled images (N, H, W, C) uint8, or None: before the census, every run."""
+        self.pool = images_u8
+
+    def head_basis(self, state: GlobalState) -> Tensors:
+        """What a training round's payload adds to `broadcast` (the head basis with `train_scope: head`)."""
+        return {}
+
+    def choose_operating_point(self, state: GlobalState, images: np.ndarray, labels: np.ndarray,
+                               batch_size: int) -> GlobalState:
+        """`decision: validation`: the operating point chosen on the validation split, recorded in the meta."""
+        raise ConfigError(f"method '{self.name}' has no operating point to choose: use decision argmax")
+
     def finish_config(self, state: GlobalState) -> RoundConfig | None:
         """The round config of a features-only finishing round after the last round, or None (no such round)."""
         return None
@@ -327,9 +347,10 @@ def setting_owner(key: str) -> type[MethodConfig] | None:
 
 
 def config_classes() -> dict[type[MethodConfig], tuple[str, ...]]:
-    """Each distinct settings' class (with fields) and the methods it serves, in registration order."""
+    """Each distinct settings' class (with fields) and the methods it serves, in the order of the methods."""
     out: dict[type[MethodConfig], list[str]] = {}
-    for name, cls in _CONFIGS.items():
+    for name in method_names():  # the methods' order: --help lists the groups as it lists the methods
+        cls = _CONFIGS.get(name, MethodConfig)
         if config_fields(cls):
             out.setdefault(cls, []).append(name)
     return {cls: tuple(names) for cls, names in out.items()}

@@ -15,7 +15,7 @@ import torch
 from tafl.errors import CheckpointError
 from tafl.training.checkpoint import latest_round_checkpoint, load_checkpoint, save_checkpoint
 from tafl.training.config import RunConfig
-from tafl.training.contract import GlobalState, Method, tensor_bytes
+from tafl.training.contract import GlobalState, Method, RoundConfig, tensor_bytes
 from tafl.training.data import Dataset, Split
 from tafl.training.evaluate import balanced_accuracy, predict
 from tafl.training.longtail import select_clients
@@ -132,7 +132,7 @@ def privacy_ledger(method: Method, book: dict[str, Any], results: list, cost: di
         if not (steps or rel):
             continue
         e = ledger.setdefault(str(cid), {"records": n, "steps": 0, "releases": 0,
-                                         "plan": method.dp_plan(n).to_dict()})
+                                         "plan": method.privacy.plan(n).to_dict()})
         e["steps"] += int(steps)
         e["releases"] += int(rel)
 
@@ -192,7 +192,7 @@ def charge(book: dict[str, Any], cost: dict[str, Any]) -> None:
     book["timing"]["client_s"] += cost["client_s"]
 
 
-def finish_round(method: Method, state: GlobalState, transport: Transport, round_cfg: dict[str, Any],
+def finish_round(method: Method, state: GlobalState, transport: Transport, round_cfg: RoundConfig,
                  cfg: RunConfig, book: dict[str, Any]) -> GlobalState:
     """The method's finishing round on the kept model: a share of the clients answer a features-only
     round (no local training) and the server's last step uses it (GTAFL: the experts' last retraining)."""

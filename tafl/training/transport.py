@@ -10,9 +10,8 @@ to SuperNodes. Method code never knows which one runs it.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from tafl.training.contract import ClientData, ClientResult, Method, Tensors, tensor_bytes
+from tafl.training.contract import ClientData, ClientResult, Method, RoundConfig, Tensors, tensor_bytes
 
 
 class Transport:
@@ -25,7 +24,8 @@ class Transport:
     def stats(self, ids: list[int]) -> dict[int, Tensors]:
         raise NotImplementedError
 
-    def train(self, ids: list[int], payload: Tensors, round_cfg: dict[str, Any]) -> tuple[list[ClientResult], dict[str, float]]:
+    def train(self, ids: list[int], payload: Tensors,
+              round_cfg: RoundConfig) -> tuple[list[ClientResult], dict[str, float]]:
         """Results of the clients that answered, and the cost: client_s, uplink_bytes, downlink_bytes."""
         raise NotImplementedError
 

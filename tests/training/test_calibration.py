@@ -95,7 +95,7 @@ def test_the_federated_fit_equals_the_pooled_fit_on_the_clients_held_out_rows(tm
     ck = load_checkpoint(tmp_path / "run" / "final.pt")
     m = make_method(cfg, prep.model_cfg, prep.dataset.preprocess)
     state = GlobalState.from_dict(ck["state"])
-    z = m.calibration_logits(m.broadcast(state), torch.from_numpy(prep.train.images[rows]))
+    z = m.calibration.logits(m.broadcast(state), torch.from_numpy(prep.train.images[rows]))
     pooled = fit_calibration(z, prep.train.labels[rows], kind, cfg.calib_rounds)
     assert fed["temperature"] == pytest.approx(pooled.temperature, rel=1e-6)
     assert np.allclose(fed["bias"], pooled.bias, atol=1e-6)
@@ -120,9 +120,9 @@ def test_the_federated_fit_equals_the_pooled_fit_on_the_clients_held_out_rows(tm
 
 @pytest.mark.slow
 def test_a_client_with_nan_calibration_statistics_is_dropped(tmp_path, monkeypatch):
-    from tafl.training.methods.fedavg import FedAvg
+    from tafl.training.methods.calibration import CalibrationClient
 
-    real = FedAvg.calibration_update
+    real = CalibrationClient.update
 
     def poisoned(self, payload, data, round_cfg):
         res = real(self, payload, data, round_cfg)
@@ -130,7 +130,7 @@ def test_a_client_with_nan_calibration_statistics_is_dropped(tmp_path, monkeypat
             res.extras["calib_grad"] = torch.full_like(res.extras["calib_grad"], float("nan"))
         return res
 
-    monkeypatch.setattr(FedAvg, "calibration_update", poisoned)
+    monkeypatch.setattr(CalibrationClient, "update", poisoned)
     cfg = load_config(CONFIGS / "smoke.yaml", {"calibration": "temperature", "calib_holdout": 0.2,
                                                "adapt_draws": 1, "adapt_sizes": "50"})
     report = train(cfg, tmp_path / "run", progress=False)

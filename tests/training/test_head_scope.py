@@ -14,7 +14,7 @@ pytest.importorskip("opacus", reason="needs opacus and dp-accounting: the train 
 from tafl.errors import ConfigError  # noqa: E402
 from tafl.training.checkpoint import load_checkpoint  # noqa: E402
 from tafl.training.config import load_config  # noqa: E402
-from tafl.training.methods.base import BASIS, BasisHead, split_basis  # noqa: E402
+from tafl.training.methods.head_basis import BASIS, BasisHead, split_basis  # noqa: E402
 from tafl.training.models import ModelConfig, build_model  # noqa: E402
 from tests.conftest import CONFIGS, SMOKE_GTAFL  # noqa: E402
 

@@ -105,7 +105,7 @@ def _gtafl(overrides=None):
     cfg = load_config(CONFIGS / "smoke.yaml", {**SMOKE_GTAFL, "gs": False, "dp_epsilon": 4.0, **(overrides or {})})
     mc = ModelConfig("resnet8", 4, 1, 8, 0.25, norm="group")
     m = method_class("gtafl")(cfg, mc, Preprocess(size=8, channels=1, mean=(0.5,), std=(0.25,)))
-    m._noise = torch.Generator().manual_seed(0)  # a fixed draw for the test (runs seed it from the OS)
+    m.privacy.noise = torch.Generator().manual_seed(0)  # a fixed draw for the test (runs seed it from the OS)
     return m
 
 

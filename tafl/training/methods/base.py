@@ -1,25 +1,12 @@
-"""The transport-free FL step interface (docs/design.md §2) that every method implements.
-
-A round, driven by the in-process simulator or by the Flower adapter alike:
-
-    stats   = {k: method.client_stats(data_k)}                  # tiny: class counts, c_k, ...
-    cfg     = method.round_config(state, stats, round)         # plain JSON values, broadcast
-    payload = method.broadcast(state)                          # tensors sent to each client
-    results = [method.client_update(payload, data_k, cfg)]     # local work
-    state   = method.server_update(state, results, round)      # aggregation + server work
-
-and, once after the last round where a method asks for it (`finish_config`), a features-only
-finishing round whose results go to `server_finish`.
-
-Everything that crosses the wire is a `dict[str, Tensor]` or plain JSON, so transports only
-serialise; no method knows which transport runs it. `GlobalState` is what checkpoints hold.
+"""`ClassifierMethod`: the shared torch implementation of the contract's steps (tafl.training.contract) for a method
+that trains one `Classifier`; FedAvg, FedProx, GTAFL, CReFF, ViT-DAFL and LDA extend it. It composes the parts the
+methods share (tafl.training.methods.dp, head_basis, recipe, calibration) instead of inheriting them. `ProbsAndLabel`
+is the plain inference module.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import time
 from typing import Any
 
@@ -31,7 +18,11 @@ from tafl.errors import ConfigError
 from tafl.imaging import Preprocess
 from tafl.training.aggregate import weighted_average
 from tafl.training.config import RunConfig
-from tafl.training.contract import ClientData, ClientResult, GlobalState, Method, Tensors
+from tafl.training.contract import ClientData, ClientResult, GlobalState, Method, MethodConfig, RoundConfig, Tensors
+from tafl.training.methods.calibration import CalibrationClient
+from tafl.training.methods.dp import ClientPrivacy
+from tafl.training.methods.head_basis import FeatureCache, HeadBasis
+from tafl.training.methods.recipe import LocalRecipe
 from tafl.training.models import Classifier, ModelConfig, build_model
 
 log = logging.getLogger(__name__)
@@ -39,91 +30,34 @@ log = logging.getLogger(__name__)
 SERVER = 1 << 20  # the id server-side random streams use in place of a client id
 
 
-def _as_float(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32)
-
-
-def weights_key(tensors: Tensors) -> str:
-    """A digest of a set of weights: equal exactly when every tensor is bit for bit the same."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in tensors.items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-BASIS = "head_basis."  # the payload keys of the server's head basis (train_scope head)
-
-
-def split_basis(payload: Tensors) -> tuple[Tensors, Tensors | None]:
-    """A round's payload without the head basis, and the basis (None when the run trains the whole network)."""
-    basis = {k: v for k, v in payload.items() if k.startswith(BASIS)}
-    return {k: v for k, v in payload.items() if not k.startswith(BASIS)}, (basis or None)
-
-
-class BasisHead(nn.Module):
-    """What a site trains with `train_scope: head`: a step (A, a) of the classifier head in the server's basis.
-
-    The server sends the mean μ of its unlabeled pool's features and a whitening projection P (k × D, the pool's
-    leading principal directions scaled to unit variance). The head becomes W + A·P, b + a − A·P·μ: the logits are
-    the round's W·f + b plus A·P(f − μ) + a. A, a start at zero. Whitening makes plain SGD well conditioned (a
-    fixed extractor's features share a mean far larger than their spread: 11.3 against 0.15 a dimension on
-    DermaMNIST), and DP-SGD's noise grows with √(k·C), not √(D·C) (docs/decisions.md §6.2). The inputs are the
-    rows [P(f − μ), W·f + b], computed once per round, so a step reads no image."""
-
-    def __init__(self, k: int, num_classes: int, mean: torch.Tensor, proj: torch.Tensor):
-        super().__init__()
-        self.k = k
-        self.delta = nn.Linear(k, num_classes)
-        nn.init.zeros_(self.delta.weight)
-        nn.init.zeros_(self.delta.bias)
-        self.register_buffer("mean", mean)
-        self.register_buffer("proj", proj)
-
-    @classmethod
-    def start(cls, head: nn.Linear, feats: torch.Tensor, basis: Tensors) -> tuple[BasisHead, torch.Tensor]:
-        mean = basis[BASIS + "mean"].to(feats)
-        proj = basis[BASIS + "proj"].to(feats)
-        step = cls(proj.shape[0], head.out_features, mean, proj).to(feats.device)
-        with torch.no_grad():
-            rows = torch.cat([(feats - mean) @ proj.t(), head(feats)], 1)
-        return step, rows
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.delta(rows[:, :self.k]) + rows[:, self.k:]
-
-    def finish(self, head: nn.Linear) -> None:
-        """Fold the step into `head` in place: W += A·P, b += a − A·P·μ."""
-        with torch.no_grad():
-            ap = self.delta.weight @ self.proj
-            head.weight.add_(ap)
-            head.bias.add_(self.delta.bias - ap @ self.mean)
-
-
 class ClassifierMethod(Method):
-    """FedAvg-style training of one `Classifier`: the shared implementation of the contract's steps. Subclasses
-    define `client_update` and `server_update` and override the steps they change."""
+    """FedAvg-style training of one `Classifier`: the shared implementation of the contract's steps, composed of
+    parts rather than inherited: `privacy` (record-level DP: plans, noise, the noisy census), `features` (the fixed
+    extractor's cached features), `basis` (the server's head basis for `train_scope: head`), `recipe` (the local
+    training: SGD or DP-SGD, whole model or head step) and `calibration` (the client side of the calibration rounds).
+    Subclasses define `client_update` and `server_update` and override the steps they change."""
 
     name = "base"
     trains = True  # the sites train weights and report their local loss (lda: they only send class sums)
+    opts_type: type[MethodConfig] = MethodConfig  # the method's own settings' class (`self.opts`, typed)
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, preprocess: Preprocess,
                  device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.preprocess = preprocess
+        self.opts = cfg.settings_of(self.opts_type)  # this run's values of the method's own settings
         self.device = torch.device(device)
         self.model: Classifier = build_model(model_cfg).to(self.device)  # the one working copy
         self.mean = torch.tensor(preprocess.mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.std = torch.tensor(preprocess.std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
-        self._calib_cache: dict[tuple[int, int], np.ndarray] = {}  # (client, round) -> held-out logits
-        self.dp = cfg.dp_epsilon is not None  # record-level DP (tafl.training.privacy)
-        self._dp_counts: dict[int, torch.Tensor] = {}  # each client's one noisy census release, re-sent when asked
-        self._noise: torch.Generator | None = None
         self.pool: torch.Tensor | None = None  # the server's unlabeled images (attach_server_pool)
-        # client -> ((rows, extractor digest), the fixed extractor's features): frozen_features
-        self._features: dict[int, tuple[tuple[int, str], torch.Tensor]] = {}
-        self._basis: tuple[str, Tensors] | None = None  # (extractor key, head basis): head_basis
+        self.privacy = ClientPrivacy(cfg)
+        self.dp = self.privacy.enabled  # record-level DP (tafl.training.privacy)
+        self.features = FeatureCache(cfg, self.model, self.normalize)
+        self.basis = HeadBasis(cfg, self.model, self.features)
+        self.recipe = LocalRecipe(cfg, model_cfg, self.model, self.normalize, self.privacy, self.features)
+        self.calibration = CalibrationClient(self)
 
     # ---- state ----
     def init_state(self, train_counts: np.ndarray) -> GlobalState:
@@ -136,135 +70,15 @@ class ClassifierMethod(Method):
         return GlobalState(weights={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                            extras={"global_counts": torch.zeros(len(train_counts))}, meta=meta)
 
-    # ---- the local recipe every method shares ----
-    def local_lr(self, round_: int) -> float:
-        """This round's local learning rate (cfg.lr under cfg.lr_schedule and cfg.warmup_rounds)."""
-        from tafl.training.local import scheduled_lr
-
-        return scheduled_lr(self.cfg.lr, int(round_), self.cfg.rounds, self.cfg.lr_schedule, self.cfg.warmup_rounds)
-
-    @property
-    def policy(self):
-        """The augmentation policy applied to uint8 batches before normalising, or None."""
-        if self.cfg.augment_policy == "none":
-            return None
-        if getattr(self, "_policy", None) is None:
-            from tafl.training.local import PolicyAugment
-
-            self._policy = PolicyAugment(self.cfg.augment_policy, self.model_cfg.in_chans)
-        return self._policy
-
-    # ---- differential privacy (tafl.training.privacy) ----
-    def dp_releases_per_round(self) -> tuple[int, int]:
-        """Statistics releases a client makes per training round and in the finishing round (besides the census
-        and the DP-SGD steps): none for a method that sends only its model."""
-        return 0, 0
-
-    def dp_plan(self, n: int):
-        from tafl.training.privacy import plan_client
-
-        per_round, finishing = self.dp_releases_per_round()
-        return plan_client(self.cfg, n, per_round, finishing)
-
-    @property
-    def noise(self) -> torch.Generator:
-        """The DP noise and Poisson draws: seeded from the OS, never from the run's seed."""
-        if self._noise is None:
-            from tafl.training.privacy import noise_generator
-
-            self._noise = noise_generator()
-        return self._noise
-
-    def local_train(self, images: torch.Tensor, labels: torch.Tensor, data: ClientData, round_: int,
-                    gen: torch.Generator, basis: Tensors | None = None, **kw: Any) -> dict[str, float]:
-        """The local training every method shares: local SGD, or DP-SGD when the run is private (its noise
-        multiplier from this client's plan), on the whole model or, with `train_scope: head`, on a `BasisHead` step
-        in the server's `basis` (from the round's payload: `split_basis`). `kw`: sample_weights, prox_mu, prox_ref,
-        loss_fn."""
-        from tafl.training.local import dp_local_sgd, local_sgd
-
-        cfg = self.cfg
-        common = dict(normalize=self.normalize, epochs=cfg.local_epochs, batch_size=cfg.batch_size,
-                      lr=self.local_lr(round_), momentum=cfg.momentum, weight_decay=cfg.weight_decay, gen=gen,
-                      augment=cfg.augment, optimizer=cfg.optimizer, policy=self.policy)
-        model: nn.Module = self.model
-        if cfg.train_scope == "head":
-            if basis is None:
-                raise ValueError("train_scope 'head' needs the server's head basis in the payload")
-            model, images = BasisHead.start(self.model.head, self.frozen_features(data.client_id, images), basis)
-            common.update(normalize=_as_float, augment=False, policy=None)
-            if kw.get("prox_ref") is not None:  # FedProx pulls the head toward the round's: the step toward zero
-                kw["prox_ref"] = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
-        if not self.dp:
-            out = local_sgd(model, images, labels, **common, **kw)
-        else:
-            if kw.get("sample_weights") is not None or kw.get("loss_fn") is not None:
-                raise ValueError("DP-SGD samples uniformly with the plain cross-entropy (the config refuses the rest)")
-            plan = self.dp_plan(len(data))
-            out = dp_local_sgd(model, images, labels, **common, noise_gen=self.noise,
-                               noise_multiplier=plan.noise_multiplier, max_grad_norm=plan.clip,
-                               sample_rate=plan.sample_rate, prox_mu=kw.get("prox_mu", 0.0),
-                               prox_ref=kw.get("prox_ref"))
-        if isinstance(model, BasisHead):
-            model.finish(self.model.head)
-        if not self.dp:
-            return out
-        out.pop("loss", None)  # the site's training loss is not covered by the accountant: it stays on the site
-        return out
-
-    def head_basis(self, state: GlobalState) -> Tensors:
-        """With `train_scope: head`, what the round's payload adds (`BasisHead`): the mean of the server pool's
-        features under the round's extractor and the whitening projection onto their leading principal directions;
-        computed once per extractor. Empty otherwise."""
-        if self.cfg.train_scope != "head":
-            return {}
-        key = weights_key({k: v for k, v in state.weights.items() if k.startswith("extractor.")})
-        if self._basis is not None and self._basis[0] == key:
-            return self._basis[1]
-        own = self.model.state_dict().keys()
-        self.model.load_state_dict({k: v for k, v in state.weights.items() if k in own})
-        feats = self.frozen_features(-1, self.pool).double()
-        mean = feats.mean(0)
-        _, sing, vt = torch.linalg.svd(feats - mean, full_matrices=False)
-        spread = sing / math.sqrt(max(1, len(feats) - 1))
-        k = int(min(self.cfg.head_basis_dim, int((spread > 1e-6 * spread[0]).sum())))
-        basis = {BASIS + "mean": mean.float().cpu(), BASIS + "proj": (vt[:k] / spread[:k, None]).float().cpu()}
-        self._basis = (key, basis)
-        return basis
-
-    def frozen_features(self, client_id: int, images_u8: torch.Tensor) -> torch.Tensor:
-        """The fixed extractor's features of a client's training rows (eval mode, no augmentation), kept while the
-        extractor's weights stay the same (GTAFL's SimCLR moves them every few rounds)."""
-        ext = self.model.extractor
-        key = (len(images_u8), weights_key(ext.state_dict()))
-        hit = self._features.get(client_id)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        was = ext.training
-        ext.eval()
-        with torch.no_grad():
-            feats = torch.cat([ext(self.normalize(images_u8[i:i + self.cfg.eval_batch_size]))
-                               for i in range(0, len(images_u8), self.cfg.eval_batch_size)])
-        ext.train(was)
-        self._features[client_id] = (key, feats)
-        return feats
-
-    # ---- the five steps ----
+    # ---- the steps ----
     def client_stats(self, data: ClientData) -> Tensors:
-        """The client's class counts: exact, or under DP its one noisy release (Gaussian, sensitivity 1; negative
-        values clipped to 0 after the noise), the same each time the server asks."""
+        """The client's class counts (C,): exact, or under DP its one noisy census release (`ClientPrivacy.census`),
+        the same each time the server asks."""
         if not self.dp:
             return {"class_counts": data.class_counts().to(torch.float32)}
-        k = int(data.client_id)
-        if k not in self._dp_counts:
-            from tafl.training.privacy import gaussian_release
+        return {"class_counts": self.privacy.census(data)}
 
-            z = self.dp_plan(len(data)).stats_noise_multiplier
-            noisy = gaussian_release({"c": (data.class_counts().to(torch.float64), 1.0)}, z, self.noise)["c"]
-            self._dp_counts[k] = noisy.clamp_min(0).to(torch.float32)
-        return {"class_counts": self._dp_counts[k].clone()}
-
-    def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> dict[str, Any]:
+    def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> RoundConfig:
         self.record_counts(state, stats)
         return {"round": round_, "seed": self.cfg.seed}
 
@@ -286,6 +100,10 @@ class ClassifierMethod(Method):
 
     def broadcast(self, state: GlobalState) -> Tensors:
         return state.weights
+
+    def head_basis(self, state: GlobalState) -> Tensors:
+        """With `train_scope: head`, what a training round's payload adds (`HeadBasis.payload`); empty otherwise."""
+        return self.basis.payload(state, self.pool)
 
     def scoped(self, weights: Tensors) -> Tensors:
         """The tensors a site's model update carries: all of them, or with `train_scope: head` only the classifier
@@ -357,38 +175,12 @@ class ClassifierMethod(Method):
                 "loss": float(loss), "seconds": round(time.perf_counter() - t0, 1)}
 
     # ---- calibration and prior adaptation (tafl.prior) ----
-    def calibration_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
-        """A calibration round on a client: the NLL statistics of its held-out rows at the round's (scale,
-        bias). Only sums leave the client (tafl.prior.nll_stats); its held-out posteriors are computed once per
-        calibration and kept for the following Newton rounds."""
-        from tafl import prior
-
-        rows = data.holdout if data.holdout is not None else torch.zeros(0, dtype=torch.int64)
-        key = (int(data.client_id), int(round_cfg["round"]))
-        z = self._calib_cache.get(key)
-        if z is None:
-            z = self.calibration_logits(payload, data.images[rows]) if len(rows) else \
-                np.zeros((0, self.model_cfg.num_classes))
-            self._calib_cache = {k: v for k, v in self._calib_cache.items() if k[1] == key[1]}
-            self._calib_cache[key] = z
-        bias = round_cfg.get("bias")
-        stats = prior.nll_stats(z, data.labels[rows].numpy(), np.asarray(round_cfg["scale"], np.float64),
-                                None if bias is None else np.asarray(bias, np.float64), round_cfg["calibrate"])
-        return ClientResult(data.client_id, len(rows), {}, {f"calib_{k}": torch.from_numpy(np.asarray(v, np.float64))
-                                                            for k, v in stats.items()}, {"calibration": 1.0})
-
+    # ---- calibration and prior adaptation (tafl.prior) ----
     def posterior_module(self, payload: Tensors) -> nn.Module:
         """The module whose outputs `posterior_logits` turns into the logits calibration works on."""
         keys = set(self.model.state_dict())
         self.model.load_state_dict({k: v for k, v in payload.items() if k in keys})
         return ProbsAndLabel(self.model).eval()
-
-    def calibration_logits(self, payload: Tensors, images_u8: torch.Tensor) -> np.ndarray:
-        from tafl.training.evaluate import predict
-
-        out = predict(self.posterior_module(payload), images_u8, self.normalize, self.cfg.eval_batch_size,
-                      keys=self.output_keys)
-        return self.posterior_logits(out)
 
     def default_source_prior(self, state: GlobalState) -> np.ndarray:
         """The prior the uncalibrated posteriors describe: the training data's class mix."""

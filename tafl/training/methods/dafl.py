@@ -28,8 +28,9 @@ from torch.nn import functional as F
 
 from tafl.training.aggregate import check_results, weighted_average
 from tafl.training.local import local_sgd
-from tafl.training.contract import ClientData, ClientResult, GlobalState, Tensors, register_method
+from tafl.training.contract import ClientData, ClientResult, GlobalState, RoundConfig, Tensors, register_method
 from tafl.training.methods.base import ClassifierMethod
+from tafl.training.methods.dafl_config import DAFLConfig
 
 log = logging.getLogger(__name__)
 EPS = 1e-6
@@ -104,11 +105,13 @@ class DAFLLoss(nn.Module):
 @register_method("dafl")
 class DAFL(ClassifierMethod):
     name = "dafl"
+    opts_type = DAFLConfig
+    opts: DAFLConfig
 
     def init_state(self, train_counts: np.ndarray) -> GlobalState:
         state = super().init_state(train_counts)
-        state.extras["dafl.gamma"] = torch.tensor([self.cfg.gamma_init if self.cfg.loss != "ce" else 0.0])
-        state.meta.update(loss=self.cfg.loss, aggregation=self.cfg.aggregation, gamma_history=[])
+        state.extras["dafl.gamma"] = torch.tensor([self.opts.gamma_init if self.opts.loss != "ce" else 0.0])
+        state.meta.update(loss=self.opts.loss, aggregation=self.opts.aggregation, gamma_history=[])
         return state
 
     def client_stats(self, data: ClientData) -> Tensors:
@@ -116,7 +119,7 @@ class DAFL(ClassifierMethod):
         return {"class_counts": counts.to(torch.float32),
                 "c_k": torch.tensor([client_imbalance(counts)], dtype=torch.float32)}
 
-    def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> dict[str, Any]:
+    def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> RoundConfig:
         self.record_counts(state, stats)
         good = [s["class_counts"] for s in stats.values()
                 if s.get("class_counts") is not None and bool(torch.isfinite(s["class_counts"]).all())]
@@ -133,9 +136,9 @@ class DAFL(ClassifierMethod):
     def broadcast(self, state: GlobalState) -> Tensors:
         return {**state.weights, "dafl.gamma": state.extras["dafl.gamma"]}
 
-    def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+    def client_update(self, payload: Tensors, data: ClientData, round_cfg: RoundConfig) -> ClientResult:
         if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
-            return self.calibration_update(payload, data, round_cfg)
+            return self.calibration.update(payload, data, round_cfg)
         cfg = self.cfg
         self.model.load_state_dict({k: v for k, v in payload.items() if k != "dafl.gamma"})
         counts = data.class_counts()
@@ -145,21 +148,22 @@ class DAFL(ClassifierMethod):
         loss_fn: nn.Module | None = None
         extra: list[torch.Tensor] = []
         gamma = float(payload["dafl.gamma"].reshape(-1)[0])
-        if cfg.loss != "ce":
-            if cfg.loss == "dafl":
-                coef = loss_coefficients(c_k, torch.tensor(round_cfg["c_f"]), cfg.dafl_lambda, cfg.dafl_scale,
-                                         round_cfg.get("c_k_mean"), round_cfg.get("class_norm"))
-                learn = not cfg.gamma_fixed
+        if self.opts.loss != "ce":
+            if self.opts.loss == "dafl":
+                coef = loss_coefficients(c_k, torch.tensor(round_cfg["c_f"]), self.opts.dafl_lambda,
+                                         self.opts.dafl_scale, round_cfg.get("c_k_mean"), round_cfg.get("class_norm"))
+                learn = not self.opts.gamma_fixed
             else:  # plain focal loss: no imbalance coefficient, γ fixed
                 coef, learn = torch.zeros(self.model_cfg.num_classes), False
-            loss_fn = DAFLLoss(coef, min(max(gamma, 0.0), cfg.gamma_max), learn, cfg.gamma_max).to(self.device)
+            gamma_max = self.opts.gamma_max
+            loss_fn = DAFLLoss(coef, min(max(gamma, 0.0), gamma_max), learn, gamma_max).to(self.device)
             extra = [loss_fn.gamma] if learn else []
         metrics = local_sgd(self.model, data.images[data.indices], data.local_labels, normalize=self.normalize,
-                            epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=self.local_lr(round_cfg["round"]),
+                            epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=self.recipe.lr(round_cfg["round"]),
                             momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                             gen=self.generator(round_cfg["round"], data.client_id), augment=cfg.augment,
                             loss_fn=loss_fn, extra_params=extra, optimizer=cfg.optimizer,
-                            after_step=loss_fn.clamp_ if extra else None, policy=self.policy)
+                            after_step=loss_fn.clamp_ if extra else None, policy=self.recipe.policy)
         if metrics["nonfinite_steps"]:
             log.warning("client %d: %d local step(s) had a non-finite loss and were skipped", data.client_id,
                         int(metrics["nonfinite_steps"]))
@@ -177,17 +181,17 @@ class DAFL(ClassifierMethod):
             return "c_k is negative"
         return None
 
-    def _applied_weights(self, good: list[ClientResult], round_cfg: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _applied_weights(self, good: list[ClientResult], round_cfg: RoundConfig | None) -> dict[str, Any] | None:
         """The per-class weights 1 + c_t the loss applied this round, for the clients of lowest, median and
         highest c_k (recomputed from what the server knows: c_f, the round's mean c_k and each c_k)."""
-        if self.cfg.loss != "dafl" or not round_cfg or "c_f" not in round_cfg:
+        if self.opts.loss != "dafl" or not round_cfg or "c_f" not in round_cfg:
             return None
         c_f = torch.tensor(round_cfg["c_f"])
         ranked = sorted(good, key=lambda r: float(r.extras["c_k"]))
         out: dict[str, Any] = {}
         for tag, r in (("min_c_k", ranked[0]), ("median_c_k", ranked[len(ranked) // 2]), ("max_c_k", ranked[-1])):
             c_k = float(r.extras["c_k"])
-            w = 1 + loss_coefficients(c_k, c_f, self.cfg.dafl_lambda, self.cfg.dafl_scale, round_cfg.get("c_k_mean"),
+            w = 1 + loss_coefficients(c_k, c_f, self.opts.dafl_lambda, self.opts.dafl_scale, round_cfg.get("c_k_mean"),
                                       round_cfg.get("class_norm"))
             out[tag] = {"client": r.client_id, "c_k": c_k, "weights": [round(float(v), 4) for v in w],
                         "max_over_min": float(w.max() / w.min())}
@@ -199,14 +203,14 @@ class DAFL(ClassifierMethod):
         if not good:
             log.warning("round %d: no usable client update; the global model is unchanged", round_)
             return GlobalState(state.weights, state.extras, meta)
-        if self.cfg.aggregation == "imbalance":
+        if self.opts.aggregation == "imbalance":
             omega = aggregation_weights([float(r.extras["c_k"]) for r in good])
         else:
             total = sum(r.num_samples for r in good)
             omega = [r.num_samples / total for r in good]
         weights = weighted_average([r.weights for r in good], omega)
         gamma = sum(w * float(r.extras["gamma"]) for w, r in zip(omega, good))
-        gamma = min(max(gamma, 0.0), self.cfg.gamma_max)
+        gamma = min(max(gamma, 0.0), self.opts.gamma_max)
         extras = dict(state.extras, **{"dafl.gamma": torch.tensor([gamma], dtype=torch.float32)})
         meta["aggregation_weights"] = {str(r.client_id): w for r, w in zip(good, omega)}
         meta["class_weights"] = self._applied_weights(good, state.meta.get("last_round_cfg"))
@@ -218,7 +222,7 @@ class DAFL(ClassifierMethod):
         were w_t times as frequent, so its softmax describes the loss-weighted class mix Σ_k n_{k,t}·w_{k,t}
         (for the balanced weights, the uniform prior), not the training counts; focal and CE keep the counts."""
         table = state.meta.get("client_counts") or {}
-        if self.cfg.loss != "dafl" or not table:
+        if self.opts.loss != "dafl" or not table:
             return super().default_source_prior(state)
         counts = torch.tensor([table[k] for k in sorted(table, key=int)], dtype=torch.float32)  # (K, C)
         c_f = class_imbalance(counts)
@@ -226,14 +230,15 @@ class DAFL(ClassifierMethod):
         mean_c_k, norm = float(np.mean(c_ks)), class_normaliser(counts)
         mass = torch.zeros(counts.shape[1], dtype=torch.float64)
         for row, c_k in zip(counts, c_ks):
-            w = 1 + loss_coefficients(c_k, c_f, self.cfg.dafl_lambda, self.cfg.dafl_scale, mean_c_k, norm)
+            w = 1 + loss_coefficients(c_k, c_f, self.opts.dafl_lambda, self.opts.dafl_scale, mean_c_k, norm)
             mass += row.to(torch.float64) * w.clamp_min(0).to(torch.float64)
         if not float(mass.sum()) > 0:
             return super().default_source_prior(state)
         return (mass / mass.sum()).numpy()
 
-    def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
-        return {"loss": self.cfg.loss, "aggregation": self.cfg.aggregation, "dafl_scale": self.cfg.dafl_scale,
+    def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test,
+                     ranks: np.ndarray) -> dict[str, Any]:
+        return {"loss": self.opts.loss, "aggregation": self.opts.aggregation, "dafl_scale": self.opts.dafl_scale,
                 "class_weights_last_round": state.meta.get("class_weights"),
                 "gamma": float(state.extras["dafl.gamma"].reshape(-1)[0]),
                 "gamma_history": state.meta.get("gamma_history", [])}

@@ -30,4 +30,5 @@ class FedAvgConfig(MethodConfig):
 
     def check_private(self, run) -> None:
         if self.local_adjust:
-            raise self.bad("local_adjust", "the local logit adjustment reads the site's exact class counts: not with DP")
+            raise self.bad("local_adjust", "the local logit adjustment reads the site's exact class counts: not "
+                                           "with DP")

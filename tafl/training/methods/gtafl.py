@@ -36,8 +36,10 @@ from tafl.training.aggregate import check_results
 from tafl.training.ensemble import ExpertEnsemble, learn_vote_weights, vote_rule_accuracies, vote_weights
 from tafl.training.evaluate import evaluate_outputs, predict
 from tafl.training.longtail import DISTRIBUTIONS, distribution_prior, ranks_from_counts
-from tafl.training.contract import ClientData, ClientResult, GlobalState, Tensors, register_method
-from tafl.training.methods.base import SERVER, ClassifierMethod, ProbsAndLabel, split_basis
+from tafl.training.contract import ClientData, ClientResult, GlobalState, RoundConfig, Tensors, register_method
+from tafl.training.methods.base import SERVER, ClassifierMethod, ProbsAndLabel
+from tafl.training.methods.gtafl_config import GTAFLConfig
+from tafl.training.methods.head_basis import split_basis
 from tafl.training.models import build_model
 from tafl.training.simclr import ProjectionHead, simclr_refine
 
@@ -57,24 +59,24 @@ def gigds_class_weights(local_counts: torch.Tensor, global_counts: torch.Tensor,
 @register_method("gtafl")
 class GTAFL(ClassifierMethod):
     name = "gtafl"
+    opts_type = GTAFLConfig
+    opts: GTAFLConfig
 
     def __init__(self, cfg, model_cfg, preprocess, device="cpu"):
         super().__init__(cfg, model_cfg, preprocess, device)
-        self.cr, self.en, self.cl, self.gs = self.switches(cfg)
+        self.cr, self.en, self.cl, self.gs = self.opts.switches(self.name)
         self.names = gff.EXPERT_NAMES if self.en else ("uniform",)
         self.pool: torch.Tensor | None = None
         published = self.name == "creff"  # CReFF keeps the paper's setting: raw frame, 300 epochs, no finishing round
-        self.bank_init = cfg.bank_init
-        self.retrain_epochs = cfg.retrain_epochs or (300 if published else 100)
-        self.centred = self.cr and (cfg.gff_centre if cfg.gff_centre is not None else not published)
+        self.bank_init = self.opts.bank_init
+        self.retrain_epochs = self.opts.retrain_epochs or (300 if published else 100)
+        self.centred = self.cr and (self.opts.gff_centre if self.opts.gff_centre is not None else not published)
         self.uses_stats = self.cr and (self.bank_init == "stats" or self.centred)
-        self.bank_anchor = cfg.bank_anchor if self.cr and self.bank_init == "stats" else "none"
-        frac = cfg.final_round_frac
+        self.bank_anchor = self.opts.bank_anchor if self.cr and self.bank_init == "stats" else "none"
+        frac = self.opts.final_round_frac
         self.final_frac = (0.0 if published else 1.0) if frac is None else frac
-
-    @staticmethod
-    def switches(cfg) -> tuple[bool, bool, bool, bool]:
-        return cfg.cr, cfg.cr and cfg.en, cfg.cl, cfg.gs
+        # under DP: one release of expert gradients (and class statistics) a round, and one in the finishing round
+        self.privacy.releases = (1 if self.cr else 0), (1 if self.cr and self.final_frac > 0 else 0)
 
     @property
     def output_keys(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -100,14 +102,14 @@ class GTAFL(ClassifierMethod):
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
             proj = ProjectionHead(dim, self.cfg.simclr_proj_dim)
             state.extras.update({f"proj.{k}": v.detach().clone() for k, v in proj.state_dict().items()})
-        state.meta.update(experts=list(self.names) if self.cr else [], vote=self.cfg.vote,
+        state.meta.update(experts=list(self.names) if self.cr else [], vote=self.opts.vote,
                           switches={"cr": self.cr, "en": self.en, "cl": self.cl, "gs": self.gs}, gff_history=[],
                           banks={"init": self.bank_init, "anchor": self.bank_anchor, "centred": self.centred}
                           if self.cr else None)
         return state
 
     # ------------------------------------------------------------ steps
-    def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> dict[str, Any]:
+    def round_config(self, state: GlobalState, stats: dict[int, Tensors], round_: int) -> RoundConfig:
         self.record_counts(state, stats)
         return {"round": round_, "seed": self.cfg.seed,
                 "global_counts": [float(v) for v in state.extras["global_counts"].tolist()]}
@@ -118,9 +120,9 @@ class GTAFL(ClassifierMethod):
             payload.update({k: state.extras[k] for k in ("expert.weight", "expert.bias")})
         return payload
 
-    def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+    def client_update(self, payload: Tensors, data: ClientData, round_cfg: RoundConfig) -> ClientResult:
         if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
-            return self.calibration_update(payload, data, round_cfg)
+            return self.calibration.update(payload, data, round_cfg)
         payload, basis = split_basis(payload)
         self.model.load_state_dict({k: v for k, v in payload.items() if not k.startswith("expert.")})
         gen = self.generator(round_cfg["round"], data.client_id)
@@ -135,9 +137,9 @@ class GTAFL(ClassifierMethod):
         metrics: dict[str, float] = {"dp_releases": 1.0} if self.dp and self.cr else {}
         if self.gs:
             cw, alpha = gigds_class_weights(data.class_counts(), torch.tensor(round_cfg["global_counts"]),
-                                            self.cfg.gs_tau)
+                                            self.opts.gs_tau)
             weights, metrics["gigds_alpha"] = cw[labels], alpha
-        metrics.update(self.local_train(images, labels, data, round_cfg["round"], gen, basis, sample_weights=weights))
+        metrics.update(self.recipe.train(images, labels, data, round_cfg["round"], gen, basis, sample_weights=weights))
         return ClientResult(data.client_id, len(data), self.local_update(), extras, metrics)
 
     def gradient_sample(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -145,7 +147,7 @@ class GTAFL(ClassifierMethod):
         pick = []
         for c in torch.unique(labels):
             idx = torch.nonzero(labels == c).squeeze(1)
-            pick.append(idx[torch.randperm(len(idx), generator=gen)[: self.cfg.grad_samples]])
+            pick.append(idx[torch.randperm(len(idx), generator=gen)[: self.opts.grad_samples]])
         return torch.cat(pick)
 
     @torch.no_grad()
@@ -160,10 +162,6 @@ class GTAFL(ClassifierMethod):
             return self.private_feature_extras(feats, labels[idx], W, b, len(labels))
         return self.feature_extras(feats, labels[idx], W, b)
 
-    def dp_releases_per_round(self) -> tuple[int, int]:
-        """One release of expert gradients (and class statistics) a round, and one in the finishing round."""
-        return (1 if self.cr else 0), (1 if self.cr and self.final_frac > 0 else 0)
-
     def private_feature_extras(self, feats: torch.Tensor, labels: torch.Tensor, W: torch.Tensor, b: torch.Tensor,
                                n: int) -> Tensors:
         """`feature_extras` under record-level DP (tafl.training.privacy): every feature clipped to norm F; per
@@ -173,12 +171,12 @@ class GTAFL(ClassifierMethod):
         sent as means and whole counts, with the sum of squares raised to what the sum requires."""
         from tafl.training.privacy import MIN_COUNT_SIGMAS, clip_rows, gaussian_release
 
-        plan = self.dp_plan(n)
+        plan = self.privacy.plan(n)
         F_ = plan.feature_clip * feats.shape[1] ** 0.5  # the bound is per √D
         feats = clip_rows(feats.double(), F_)
         C = self.model_cfg.num_classes
         Wm, bm = self.match_heads(W.double(), b.double())
-        shared = self.cfg.match_head == "uniform" and "uniform" in self.names  # E equal heads: release one
+        shared = self.opts.match_head == "uniform" and "uniform" in self.names  # E equal heads: release one
         heads = (Wm[:1], bm[:1]) if shared else (Wm, bm)
         E = heads[0].shape[0]
         classes = torch.arange(C)
@@ -189,7 +187,7 @@ class GTAFL(ClassifierMethod):
         if self.uses_stats:
             parts.update(s=(S, F_), q=(Q, F_ ** 2))
         z = plan.stats_noise_multiplier
-        noisy = gaussian_release(parts, z, self.noise)
+        noisy = gaussian_release(parts, z, self.privacy.noise)
         sigma_n = z * len(parts) ** 0.5  # the count's noise σ
         count = noisy["n"].round()
         keep = count >= max(1.0, MIN_COUNT_SIGMAS * sigma_n)
@@ -223,7 +221,7 @@ class GTAFL(ClassifierMethod):
 
     def match_heads(self, W: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The heads gradients are taken at: each expert's own, or the uniform expert's for all."""
-        if self.cfg.match_head == "own" or "uniform" not in self.names:
+        if self.opts.match_head == "own" or "uniform" not in self.names:
             return W, b
         u = self.names.index("uniform")
         return W[u:u + 1].expand_as(W).contiguous(), b[u:u + 1].expand_as(b).contiguous()
@@ -241,7 +239,8 @@ class GTAFL(ClassifierMethod):
                 or len(torch.unique(cls)) != L:
             return f"grad_classes {cls.tolist()[:10]} are not distinct class indices in [0, {C})"
         if tuple(gW.shape) != (L, E, C, D) or tuple(gb.shape) != (L, E, C):
-            return f"expert gradients have shapes {tuple(gW.shape)}, {tuple(gb.shape)}; expected {(L, E, C, D)}, {(L, E, C)}"
+            return (f"expert gradients have shapes {tuple(gW.shape)}, {tuple(gb.shape)}; expected {(L, E, C, D)}, "
+                    f"{(L, E, C)}")
         if not bool(torch.isfinite(gW).all() and torch.isfinite(gb).all()):
             return "expert gradients contain NaN or Inf"
         if self.uses_stats:
@@ -265,14 +264,14 @@ class GTAFL(ClassifierMethod):
         timing["aggregate_s"] = time.perf_counter() - t0
         if self.cr:
             self._retrain_experts(extras, meta, good, round_, timing)
-        if self.cl and round_ % self.cfg.simclr_every == 0 and self.cfg.simclr_steps > 0:
+        if self.cl and round_ % self.opts.simclr_every == 0 and self.opts.simclr_steps > 0:
             t0 = time.perf_counter()
             weights, meta["simclr_loss"] = self._simclr(weights, extras, round_)
             timing["simclr_s"] = time.perf_counter() - t0
         meta["round_timing"] = timing
         return GlobalState(weights, extras, meta)
 
-    def finish_config(self, state: GlobalState) -> dict[str, Any] | None:
+    def finish_config(self, state: GlobalState) -> RoundConfig | None:
         """The finishing round: the experts are retrained once more from gradients and statistics taken
         at the final extractor, which removes the one-round lag between the heads and the features
         they are used on (the clients' gradients of round r describe the extractor of round r − 1)."""
@@ -318,7 +317,7 @@ class GTAFL(ClassifierMethod):
         if absent:
             log.info("round %d: class(es) %s held by no participating client; their GFF banks are kept", round_, absent)
         global_counts = extras["global_counts"].numpy()
-        counts = gff.expert_counts(self.names, global_counts, ranks_from_counts(global_counts), self.cfg.gff_m,
+        counts = gff.expert_counts(self.names, global_counts, ranks_from_counts(global_counts), self.opts.gff_m,
                                    self.gff_lambda(global_counts))
         gen = self.generator(round_, SERVER, 2)
         mean = std = None
@@ -347,25 +346,26 @@ class GTAFL(ClassifierMethod):
             gff.anchor(banks, "redraw", mean, std, fresh, gen)
             gff.anchor(banks, self.bank_anchor, mean, std, have, gen)
             if self.bank_anchor == "penalty":
-                penalty = (mean, std, self.cfg.bank_anchor_weight)
+                penalty = (mean, std, self.opts.bank_anchor_weight)
         timing["aggregate_s"] = timing.get("aggregate_s", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
-        losses = gff.match(banks, *self.match_heads(W, b), gW_real, gb_real, have, self.cfg.match_steps,
-                           self.cfg.match_lr, penalty)
+        losses = gff.match(banks, *self.match_heads(W, b), gW_real, gb_real, have, self.opts.match_steps,
+                           self.opts.match_lr, penalty)
         timing["gff_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if self.cfg.expert_init == "fresh":
+        if self.opts.expert_init == "fresh":
             W, b = gff.init_heads(E, C, D, gen)
-        if self.cfg.expert_form == "shifted" and E > 1:
-            W, b, ce = gff.balanced_experts(banks, W, b, self.retrain_epochs, self.cfg.retrain_lr,
-                                            self.cfg.retrain_batch, gen)
+        if self.opts.expert_form == "shifted" and E > 1:
+            W, b, ce = gff.balanced_experts(banks, W, b, self.retrain_epochs, self.opts.retrain_lr,
+                                            self.opts.retrain_batch, gen)
         else:
-            W, b, ce = gff.retrain(banks, W, b, self.retrain_epochs, self.cfg.retrain_lr, self.cfg.retrain_batch, gen)
+            W, b, ce = gff.retrain(banks, W, b, self.retrain_epochs, self.opts.retrain_lr, self.opts.retrain_batch, gen)
         timing["retrain_s"] = time.perf_counter() - t0
         if E > 1:  # the `learned` rule's weights, from the banks in the frame they live in
             meta["vote_weights"] = [round(float(v), 4) for v in self._learn_vote_weights(banks, W, b, global_counts)]
         b = b - W @ centre  # back to the frame of raw features: what clients, evaluation and export use
-        extras.update({"expert.weight": W, "expert.bias": b, "gff.features": banks.features, "gff.counts": banks.counts})
+        extras.update({"expert.weight": W, "expert.bias": b, "gff.features": banks.features,
+                       "gff.counts": banks.counts})
         if self.centred:
             extras["gff.centre"] = centre
         entry = {"round": round_, "match_before": losses[0], "match_after": losses[-1], "retrain_ce": ce,
@@ -402,10 +402,10 @@ class GTAFL(ClassifierMethod):
     def gff_lambda(self, global_counts: np.ndarray) -> float:
         """The configured λ, or m / mean class count: the banks' shape then depends on the class
         distribution only, not on how many images the federation holds."""
-        if self.cfg.gff_lambda is not None:
-            return self.cfg.gff_lambda
+        if self.opts.gff_lambda is not None:
+            return self.opts.gff_lambda
         mean = float(np.mean(global_counts))
-        return self.cfg.gff_m / mean if mean > 0 else 0.0
+        return self.opts.gff_m / mean if mean > 0 else 0.0
 
     @staticmethod
     def _learn_vote_weights(banks: gff.GFFBanks, W: torch.Tensor, b: torch.Tensor,
@@ -428,8 +428,8 @@ class GTAFL(ClassifierMethod):
         self.model.load_state_dict(weights)
         proj = ProjectionHead(self.model.feature_dim, self.cfg.simclr_proj_dim).to(self.device)
         proj.load_state_dict({k[len("proj."):]: v for k, v in extras.items() if k.startswith("proj.")})
-        loss = simclr_refine(self.model.extractor, proj, self.pool, self.normalize, steps=self.cfg.simclr_steps,
-                             batch=self.cfg.simclr_batch, lr=self.cfg.simclr_lr, tau=self.cfg.simclr_tau,
+        loss = simclr_refine(self.model.extractor, proj, self.pool, self.normalize, steps=self.opts.simclr_steps,
+                             batch=self.cfg.simclr_batch, lr=self.opts.simclr_lr, tau=self.cfg.simclr_tau,
                              gen=self.generator(round_, SERVER, 3))
         extras.update({f"proj.{k}": v.detach().cpu().clone() for k, v in proj.state_dict().items()})
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}, loss
@@ -447,14 +447,14 @@ class GTAFL(ClassifierMethod):
         if "expert_probs" not in outputs:
             return super().posterior_logits(outputs)
         lp = np.log(np.clip(np.asarray(outputs["expert_probs"], np.float64), 1e-12, None))  # (N, E, C)
-        if self.cfg.calib_source == "uniform" and "uniform" in self.names:
+        if self.opts.calib_source == "uniform" and "uniform" in self.names:
             return lp[:, self.names.index("uniform")]
         return lp.mean(1)
 
     def posterior_description(self) -> str:
         if not self.cr:
             return "the FedAvg head's softmax"
-        if self.cfg.calib_source == "uniform" and "uniform" in self.names:
+        if self.opts.calib_source == "uniform" and "uniform" in self.names:
             return "the uniform expert's softmax"
         return "the normalised geometric mean of the experts' softmax"
 
@@ -501,15 +501,16 @@ class GTAFL(ClassifierMethod):
         model.load_state_dict(state.weights)
         if not self.cr:
             return ProbsAndLabel(model).eval()
-        vote = state.meta.get("vote", self.cfg.vote)
+        vote = state.meta.get("vote", self.opts.vote)
         return ExpertEnsemble(model.extractor, state.extras["expert.weight"], state.extras["expert.bias"],
                               tuple(state.meta.get("experts") or self.names), vote,
                               vote_weights(state.meta)).eval()
 
-    def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test, ranks: np.ndarray) -> dict[str, Any]:
+    def extra_report(self, state: GlobalState, outputs: dict[str, np.ndarray], test,
+                     ranks: np.ndarray) -> dict[str, Any]:
+        pool = self.cfg.simclr_pool + (" (transductive)" if self.cfg.simclr_pool == "test" else "")
         rep: dict[str, Any] = {"switches": state.meta.get("switches"), "vote": state.meta.get("vote"),
-                               "simclr_pool": (self.cfg.simclr_pool + (" (transductive)" if self.cfg.simclr_pool == "test"
-                                                                        else "")) if self.cl else None,
+                               "simclr_pool": pool if self.cl else None,
                                "gff_history": state.meta.get("gff_history", [])}
         if self.cr and "expert_labels" in outputs:
             names = list(state.meta.get("experts") or self.names)
@@ -533,8 +534,4 @@ class GTAFL(ClassifierMethod):
 class CReFF(GTAFL):
     """CReFF (Shang et al., IJCAI 2022): one uniform expert, no GI-GDS, no SimCLR."""
 
-    name = "creff"
-
-    @staticmethod
-    def switches(cfg) -> tuple[bool, bool, bool, bool]:
-        return True, False, False, False
+    name = "creff"  # GTAFLConfig.switches fixes its switches: retraining on, the rest off

@@ -3,7 +3,7 @@ per site (docs/decisions.md §6.3).
 
 The extractor is fixed (`train_scope: head`: its seeded initialisation, or `--pretrain-steps` of SimCLR on the
 server's unlabeled pool), and the server sends the round's head basis: the pool's feature mean μ and the whitening
-projection P onto its leading principal directions (`Method.head_basis`). A site trains nothing. The first time it
+projection P onto its leading principal directions (`head_basis.HeadBasis`). A site trains nothing. The first time it
 is selected it sends, per class, the sum of its images' whitened features x = P(f − μ); its class counts are the
 census's. Under record-level DP every x is clipped to norm F = dp_feature_clip·√k and the sums carry Gaussian noise
 of σ = z·F (sensitivity F), with the census's own noise on the counts: two Gaussian releases over the whole run, so
@@ -22,13 +22,14 @@ other single-head methods export: the operating point, calibration and the case-
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import torch
 
-from tafl.training.contract import ClientData, ClientResult, GlobalState, Tensors, register_method
-from tafl.training.methods.base import BASIS, ClassifierMethod, split_basis
+from tafl.training.contract import ClientData, ClientResult, GlobalState, RoundConfig, Tensors, register_method
+from tafl.training.methods.base import ClassifierMethod
+from tafl.training.methods.head_basis import BASIS, split_basis, weights_key
+from tafl.training.methods.lda_config import LDAConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +66,14 @@ def fit_lda(sums: np.ndarray, counts: np.ndarray, shrink: float = SHRINK) -> tup
 @register_method("lda")
 class LDA(ClassifierMethod):
     name = "lda"
+    opts_type = LDAConfig
     trains = False
 
     def __init__(self, cfg, model_cfg, preprocess, device="cpu"):
         super().__init__(cfg, model_cfg, preprocess, device)
         self._released: dict[tuple[int, str], Tensors] = {}  # (client, basis digest) -> its one release
-
-    def dp_plan(self, n: int):
-        """Two Gaussian releases over the run (the census and the class sums), no DP-SGD step."""
-        from tafl.training.privacy import plan_client
-
-        return plan_client(self.cfg, n, 0, 1, dp_sgd=False)
+        # under DP: two Gaussian releases over the run (the census and the class sums), no DP-SGD step
+        self.privacy.releases, self.privacy.dp_sgd = (0, 1), False
 
     def share_divisor(self) -> float:
         """√m_t: with secure aggregation and DP, the sums' noise is spread over the sites of each SecAgg+ sum (each
@@ -94,15 +92,15 @@ class LDA(ClassifierMethod):
         k = int(payload[BASIS + "proj"].shape[0])
         if not self.dp:
             return lda_layout(self.model_cfg.num_classes, k, n_max, SecureBounds().feature)
-        plan = self.dp_plan(n_max)
+        plan = self.privacy.plan(n_max)
         F = plan.feature_clip * k ** 0.5
         z = plan.stats_noise_multiplier
         return lda_layout(self.model_cfg.num_classes, k, n_max, F * (1.0 + 10.0 * z / self.share_divisor()),
                           count_slack=10.0 * z)
 
-    def client_update(self, payload: Tensors, data: ClientData, round_cfg: dict[str, Any]) -> ClientResult:
+    def client_update(self, payload: Tensors, data: ClientData, round_cfg: RoundConfig) -> ClientResult:
         if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
-            return self.calibration_update(payload, data, round_cfg)
+            return self.calibration.update(payload, data, round_cfg)
         payload, basis = split_basis(payload)
         if basis is None:
             raise ValueError("LDA needs the server's head basis in the payload (train_scope head)")
@@ -118,7 +116,7 @@ class LDA(ClassifierMethod):
 
     def _class_sums(self, data: ClientData, basis: Tensors) -> Tensors:
         """This site's per-class sums of whitened features, and its class counts (the census's release under DP)."""
-        feats = self.frozen_features(data.client_id, data.images[data.indices]).double().cpu()
+        feats = self.features(data.client_id, data.images[data.indices]).double().cpu()
         x = (feats - basis[BASIS + "mean"].double()) @ basis[BASIS + "proj"].double().t()
         labels = data.local_labels
         C = self.model_cfg.num_classes
@@ -127,10 +125,11 @@ class LDA(ClassifierMethod):
             return {"lda_sum": sums.float(), "lda_count": data.class_counts().float()}
         from tafl.training.privacy import clip_rows, gaussian_release
 
-        plan = self.dp_plan(len(data))
+        plan = self.privacy.plan(len(data))
         F = plan.feature_clip * x.shape[1] ** 0.5
         sums = torch.zeros(C, x.shape[1], dtype=torch.float64).index_add_(0, labels, clip_rows(x, F))
-        noisy = gaussian_release({"s": (sums, F)}, plan.stats_noise_multiplier / self.share_divisor(), self.noise)["s"]
+        noisy = gaussian_release({"s": (sums, F)}, plan.stats_noise_multiplier / self.share_divisor(),
+                                self.privacy.noise)["s"]
         return {"lda_sum": noisy.float(), "lda_count": self.client_stats(data)["class_counts"]}
 
     def server_update(self, state: GlobalState, results: list[ClientResult], round_: int) -> GlobalState:
@@ -172,6 +171,4 @@ class LDA(ClassifierMethod):
 
 
 def _digest(basis: Tensors) -> str:
-    from tafl.training.methods.base import weights_key
-
     return weights_key(basis)
