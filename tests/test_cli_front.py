@@ -80,6 +80,14 @@ def test_train_flags_take_their_help_from_the_config_fields_comments():
 
     assert tuple(by_dest["method"].choices) == method_names()  # methods come from the one registry
     assert "(default: 50.0)" in by_dest["imbalance_factor"].help and "(default: on)" in by_dest["augment"].help
+    # --help groups the settings by method: each method's own after the shared ones
+    groups = {g.title: {act.dest for act in g._group_actions} for g in train._action_groups}
+    of = "settings of method {} (ignored by the other methods)".format
+    assert {"gff_m", "vote", "simclr_steps"} <= groups[of("creff and gtafl")]
+    assert {"gamma_init", "dafl_scale"} <= groups[of("dafl")]
+    assert groups[of("fedavg and fedprox")] == {"mu", "local_adjust"}
+    shared = next(v for k, v in groups.items() if k.startswith("run configuration"))
+    assert {"lr", "rounds", "simclr_pool"} <= shared and not {"gff_m", "mu", "loss"} & shared
 
 
 def test_a_bad_choice_names_the_allowed_values(capsys):

@@ -13,6 +13,7 @@ saved in every checkpoint and report, so a run can be repeated and resumed from 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -248,6 +249,12 @@ class RunConfig:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RunConfig) and self.to_dict() == other.to_dict()
+
+    def __copy__(self) -> RunConfig:  # a copy owns its method settings too: changing one leaves the other alone
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        object.__setattr__(new, "_settings", {cls: copy.copy(part) for cls, part in self.__dict__["_settings"].items()})
+        return new
 
     # ------------------------------------------------------------------
     def adapt_size_list(self) -> list[int]:

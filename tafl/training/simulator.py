@@ -25,8 +25,8 @@ import torch
 
 import tafl
 from tafl.errors import ConfigError
-from tafl.training.checkpoint import save_checkpoint
 from tafl.training.calibrate import CALIB_KEYS, calibrate, calibration_problem  # noqa: F401  (re-exported)
+from tafl.training.checkpoint import save_checkpoint
 from tafl.training.checkpoint_eval import evaluate_checkpoint
 from tafl.training.config import RunConfig
 from tafl.training.contract import ClientData, GlobalState, Method

@@ -90,6 +90,27 @@ def test_methods_come_from_the_one_registry(monkeypatch):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_method_settings_stay_flat_keys_and_belong_to_their_method():
+    import copy
+
+    from tafl.training.methods.gtafl_config import GTAFLConfig
+
+    cfg = RunConfig.from_dict({"method": "gtafl", "gff_m": 50, "gamma_init": 1.0, "mu": 0.1}).validate()
+    assert isinstance(cfg.settings(), GTAFLConfig) and cfg.settings().gff_m == 50 == cfg.gff_m
+    flat = cfg.to_dict()
+    assert flat["gff_m"] == 50 and flat["gamma_init"] == 1.0 and flat["mu"] == 0.1 and "_settings" not in flat
+    assert RunConfig.from_dict(flat) == cfg  # a saved run.json's flat keys give the same config back
+    twin = copy.copy(cfg)
+    twin.gff_m = 7
+    assert cfg.gff_m == 50 and twin != cfg
+    with pytest.raises(ConfigError, match="'gff_m' must be int"):
+        RunConfig.from_dict({"gff_m": "many"})
+    with pytest.raises(ConfigError, match="config 'gff_m' = 0: must be >= 1"):  # checked whichever method runs
+        RunConfig.from_dict({"method": "fedavg", "gff_m": 0}).validate()
+    with pytest.raises(AttributeError):
+        cfg.no_such_setting  # noqa: B018
+
+
 def test_prior_smoothing_is_auto_or_a_number_from_yaml_or_a_flag(tmp_path):
     assert RunConfig().validate().prior_smoothing_value() is None  # auto: chosen on validation
     f = tmp_path / "c.yaml"
