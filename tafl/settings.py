@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from tafl.errors import ConfigError
 
-__all__ = ["child_environment", "env_float", "env_int", "env_str", "set_env"]
+__all__ = ["DEFAULT_MAX_UPLOAD_MB", "child_environment", "env_float", "env_int", "env_str", "set_env", "upload_limit"]
 
 
 def _raw(name: str, env: Mapping[str, str] | None) -> str:
@@ -77,3 +77,13 @@ def set_env(name: str, value: str) -> None:
 def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment, as a child process is to get it, with `extra` on top."""
     return {**os.environ, **(extra or {})}
+
+
+DEFAULT_MAX_UPLOAD_MB = 50.0
+
+
+def upload_limit() -> int:
+    """TAFL_MAX_UPLOAD_MB (default 50) in bytes: the largest file the service takes in one upload. One reading for
+    every path that receives a DICOM file: the service (tafl.serving.settings), and `tafl score --dicomweb`, which
+    reads no WADO-RS answer past it (tafl.clients.dicomweb)."""
+    return int(env_float("TAFL_MAX_UPLOAD_MB", DEFAULT_MAX_UPLOAD_MB) * 2**20)

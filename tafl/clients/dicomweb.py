@@ -457,7 +457,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
         from tafl.prior import adaptive_blocked
 
         adaptive_blocked(None)  # a bad TAFL_PRIOR_ADAPTIVE fails here, before anything is fetched (as for a folder)
-    from tafl.serving.settings import upload_limit
+    from tafl.settings import upload_limit
 
     # what bounds a WADO-RS answer: the service's upload limit, which also refuses any larger file sent through --url,
     # and in-process the same 50 MiB as the decoder's own max_bytes, unless TAFL_MAX_UPLOAD_MB says otherwise

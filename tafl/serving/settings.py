@@ -10,19 +10,11 @@ from dataclasses import dataclass, field
 
 from tafl.errors import ConfigError
 from tafl.serving.decoding import default_processes
-from tafl.settings import env_float, env_int
+from tafl.settings import DEFAULT_MAX_UPLOAD_MB, env_float, env_int, upload_limit
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "tafl-model:latest"
-DEFAULT_MAX_UPLOAD_MB = 50.0
-
-
-def upload_limit() -> int:
-    """TAFL_MAX_UPLOAD_MB (default 50) in bytes: the largest file the service takes in one upload. One reading for
-    every path that receives a DICOM file: the service, and `tafl score --dicomweb`, which reads no WADO-RS answer
-    past it (tafl.clients.dicomweb)."""
-    return int(env_float("TAFL_MAX_UPLOAD_MB", DEFAULT_MAX_UPLOAD_MB) * 2**20)
 
 
 @dataclass
