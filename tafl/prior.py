@@ -326,7 +326,7 @@ SITE_RULE_UNIFORM = 0.01  # the site rule's share of the uniform mix: a class th
 def site_prior(mix: Any, uniform: float = SITE_RULE_UNIFORM) -> np.ndarray:
     """The `site` rule's prior: a site's own class mix (counts or shares, e.g. from `parse_site_mix`), normalised
     and mixed with `uniform` of the uniform mix. A site that knows its case mix from its own labelled images
-    decides every image for it at once, with no images to wait for (docs/decisions.md §5.7). The uniform share
+    decides every image for it at once, with no images to wait for (docs/decisions.md, "prior=site"). The uniform share
     keeps a class the site has not seen (vidir_molemax has no akiec) possible, at about 1/(100·C)."""
     arr = np.asarray(mix, np.float64)
     if arr.ndim != 1 or arr.size < 2 or not np.isfinite(arr).all() or (arr < 0).any() or arr.sum() <= 0:
@@ -428,7 +428,7 @@ class PriorEstimator:
     with a few hundred images and posteriors calibrated on a few dozen images of a rare class, EM gives that class
     a prior of ~0, and the Bayes rule then never predicts it. The symmetric Dirichlet (center uniform) keeps every
     class in play and, more than that, shrinks an estimate that is noisy and biased in every class toward the
-    centre (a floor alone recovers little: docs/decisions.md §2.6). It fades as images accumulate: at n images the
+    centre (a floor alone recovers little: docs/decisions.md, "The smoothed estimator"). It fades as images accumulate: at n images the
     estimate weighs the data's n against the prior's pseudo_count. Training chooses pseudo_count (and, with real
     sites, the centre) on the validation split (`tafl.training.simulator.choose_prior_estimator`); `record` keeps
     how.

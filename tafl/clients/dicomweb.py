@@ -271,7 +271,7 @@ class Pacs:
     def fetch(self, ref: InstanceRef, raw: Path, limit: int) -> bytes:
         """The instance's Part 10 bytes as stored (any transfer syntax: no transcoding by the server). The bytes, not
         a dataset: dicomweb-client's `retrieve_instance` parses each answer into a pydicom dataset, which the job
-        would only write back to its spool (results.md §17.6: 1.5 ms of CPU an instance, for nothing).
+        would only write back to its spool (docs/results.md, "DICOMweb moves bytes": 1.5 ms of CPU an instance, for nothing).
 
         The answer is streamed into `raw` (a file in the job's spool, removed before this returns) and read no
         further than `limit` bytes (the upload limit) and its multipart framing: a server that sends more, or

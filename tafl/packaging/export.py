@@ -1,4 +1,4 @@
-"""`tafl export`: a training checkpoint becomes a verified ONNX model package (docs/design.md §6).
+"""`tafl export`: a training checkpoint becomes a verified ONNX model package (docs/design.md, "The model package").
 
 Graphs take a normalised float batch `image` (N, C, H, W) with a dynamic batch size; resizing
 and normalising stay outside the graph and are recorded in metadata.json (the shared
@@ -149,7 +149,7 @@ class SingleHeadGraph(nn.Module):
 
 def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's calibration (tafl.prior) with its source prior and the posteriors it applies to; a model
-    fitted without one gets the identity and the prior its plain posteriors describe (docs/decisions.md §2)."""
+    fitted without one gets the identity and the prior its plain posteriors describe (docs/decisions.md, "Prior-aware inference")."""
     from tafl.prior import Calibration
 
     meta, extras = ck["state"].get("meta", {}), ck["state"].get("extras", {})

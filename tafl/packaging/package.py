@@ -1,5 +1,5 @@
 """Model packages: a folder (or the same folder inside the BentoML model store) that serving loads
-without PyTorch (docs/design.md §6).
+without PyTorch (docs/design.md, "The model package").
 
     model.onnx      the graph: image batch in; label, probabilities, expert votes, heatmap out
     metadata.json   name, version, lineage, classes, input/output spec, vote rule, provenance, metrics
@@ -126,10 +126,10 @@ class ModelPackage:
         self._model_bytes = None
 
     def session(self, providers: list[str] | None = None, threads: int | None = None, spin: bool = True):
-        """An ONNX Runtime session, CUDA first where it is available (FIELD-NOTES: preload its DLLs), built from
+        """An ONNX Runtime session, CUDA first where it is available, built from
         the verified bytes of model.onnx, never from the path after the check. `spin=False`: ONNX Runtime's
         pool threads sleep between runs instead of spinning, for a process that runs one small batch at a time
-        beside other work (the DICOM listener: docs/results.md §17.4)."""
+        beside other work (the DICOM listener: docs/results.md, "Spinning threads in the listener")."""
         import onnxruntime as ort
 
         if providers is None:
@@ -138,7 +138,7 @@ class ModelPackage:
         if "CUDAExecutionProvider" in providers and not cuda_driver_present():
             providers = [p for p in providers if p != "CUDAExecutionProvider"]  # no driver: skip ORT's noisy attempt
         if "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" in available:
-            try:
+            try:  # preload first, or the CUDA provider fails to load libcublasLt (CUDA libraries from pip wheels)
                 ort.preload_dlls()
             except Exception:  # noqa: BLE001 - a CPU-only machine: the CPU provider takes over
                 pass

@@ -1,4 +1,4 @@
-"""Package signatures (docs/design.md §6): Ed25519 over the exact bytes of a package's SHA256SUMS.
+"""Package signatures (docs/design.md, "The model package"): Ed25519 over the exact bytes of a package's SHA256SUMS.
 
     tafl keys new --out DIR [--name NAME]   DIR/NAME.key (PKCS#8 PEM, mode 0600) and DIR/NAME.pub
     tafl export CKPT --out PKG --sign-key DIR/NAME.key   (or TAFL_SIGNING_KEY)

@@ -28,7 +28,7 @@ MIXES = (("forward50", RIGHT + "when the case mix is like training (common findi
          ("uniform", RIGHT + "when every class is equally common"),
          ("backward50", RIGHT + "when rare findings become common (the usual mix reversed)"))
 
-# the detail's short explanation of the eleven distributions' names (docs/design.md §3)
+# the detail's short explanation of the eleven distributions' names (docs/design.md, "Data and the evaluation protocol")
 DISTRIBUTIONS_NOTE = ("forwardN: the classes as common as in training's long tail, the most common N times the "
                       "rarest; uniform: every class equally common; backwardN: the same tail reversed, the "
                       "training's rarest class the most common. Each accuracy weighs the per-class accuracy on the "

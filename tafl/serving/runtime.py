@@ -314,7 +314,7 @@ class PriorMonitor:
     (the package's tafl.prior.PriorEstimator; no image is kept). `add` is cheap and runs on the event loop; the EM
     runs in its own thread every `refresh` images, so estimation never blocks or fails a prediction. Under load it
     runs at most every `min_interval` seconds, on the window as it is then: an EM of 500 images takes up to 2 ms, and
-    at 1,000 images a second every 50 images it took 3-7 % of the service's throughput (docs/results.md §19.3)."""
+    at 1,000 images a second every 50 images it took 3-7 % of the service's throughput (docs/results.md, "The worker's heap")."""
 
     def __init__(self, source: np.ndarray, window: int = 500, refresh: int = 50, min_images: int = 100,
                  blocked: str | None = None, estimator: Any = None, min_interval: float = 0.5):
@@ -461,7 +461,7 @@ class ModelRegistry:
         """`label`: what logs and /models show for `ref` (a reload's never names a host path)."""
         pkg = resolve_package(ref, self.trusted_keys)
         # several lanes on the CPU: each gets cores // lanes threads (three of one thread served 1.16x the images of
-        # one two-thread call on 2 cores, at about 130 MB more resident memory under the soak: docs/results.md §19.1)
+        # one two-thread call on 2 cores, at about 130 MB more resident memory under the soak: docs/results.md, "Model lanes")
         lanes = self.lanes or 1
         threads = self.threads or lane_threads(cpu_cores(), lanes, self.workers)
         session = pkg.session(self.providers, threads)  # from the verified bytes of model.onnx

@@ -1,4 +1,4 @@
-"""The BentoML service (docs/design.md §7): `bentoml serve tafl.serving.service:TaflService`.
+"""The BentoML service (docs/design.md, "The image path and the service"): `bentoml serve tafl.serving.service:TaflService`.
 
 Packages come from TAFL_PACKAGES (folders or BentoML model tags, comma-separated); they are
 loaded once per worker, verified, and run in ONNX Runtime (CUDA first, CPU second). The routes
@@ -88,7 +88,7 @@ class TaflService:
         setattr(APP.state, STATE_KEY, self.state)
         # what the worker loaded (BentoML, the packages, ONNX Runtime's Python side: ~150,000 objects) never becomes
         # garbage: frozen, the cyclic collector stops walking it. Each full collection took ~70 ms of the event loop
-        # under load, 0.09 ms a request on average (docs/results.md §19.3); objects freed by reference count still are.
+        # under load, 0.09 ms a request on average (docs/results.md, "The worker's heap"); objects freed by reference count still are.
         gc.collect()
         gc.freeze()
         log.info("tafl service ready with %s (auth %s); %d worker(s): %s; %s model call(s) in flight per model: %s",

@@ -98,7 +98,7 @@ def service_workers() -> int:
     """The service's worker processes: TAFL_WORKERS, else the count the service chose at start (its plan, handed to
     its workers in TAFL_SERVING_PLAN: tafl.serving.tuning), else 1. Each loads every package and runs its own event
     loop and batcher, so per-request Python work spreads over the cores instead of queueing on one interpreter lock
-    (docs/results.md §19.3); each also costs the packages' memory once more."""
+    (docs/results.md, "The worker's heap"); each also costs the packages' memory once more."""
     n = env_int("TAFL_WORKERS", 0, minimum=0)
     if n > MAX_WORKERS:
         raise ConfigError(f"TAFL_WORKERS must be at most {MAX_WORKERS}, got {n}")

@@ -70,7 +70,7 @@ class RunConfig:
     # --- what to train ---
     # fedavg | fedprox | creff | gtafl | dafl | lda (tafl.training.methods.REGISTRY). lda: the sites train nothing;
     # each sends its class sums of the fixed extractor's whitened features once, and the server fits a linear
-    # discriminant head (train_scope head; under DP two Gaussian releases in all: docs/decisions.md §6.3)
+    # discriminant head (train_scope head; under DP two Gaussian releases in all: docs/decisions.md, "Method lda")
     method: str = "fedavg"
     # --- data ---
     dataset: str = "digits"  # digits (embedded) | a MedMNIST flag (dermamnist, ...) | folder
@@ -127,7 +127,7 @@ class RunConfig:
     augment_policy: str = "none"
     lr_schedule: str = "constant"  # constant | cosine: the local lr follows a cosine over the rounds
     warmup_rounds: int = 0  # rounds of linear lr warm-up before the schedule (from lr/warmup_rounds)
-    # --- GTAFL / CReFF (docs/design.md §4); the four ablation switches are Table IV's CR, EN, CL, GS ---
+    # --- GTAFL / CReFF (docs/design.md, "GTAFL"); the four ablation switches are Table IV's CR, EN, CL, GS ---
     cr: bool = True  # classifier retraining on global federated features (off: predict with the FedAvg head)
     en: bool = True  # forward/uniform/backward expert ensemble (off: the uniform expert alone)
     cl: bool = True  # server-side SimCLR refinement of the extractor
@@ -165,13 +165,13 @@ class RunConfig:
     # for one last expert retraining (no local training); 0 turns this finishing round off; null: 1 for gtafl,
     # 0 for creff (as published)
     final_round_frac: float | None = None
-    # the head that client gradients and GFF matching are computed at: each expert's own (docs/design.md §4),
+    # the head that client gradients and GFF matching are computed at: each expert's own (docs/design.md, "GTAFL"),
     # or the uniform expert's for every bank (a diagnostic for the experts' inverted specialisation)
     match_head: str = "own"
     # how the experts are built from their banks: shifted = one class-balanced head learned from every bank with the
     # logit-adjusted loss, each expert that head plus log(its bank's class shares), so forward leans to the head
     # classes and backward to the tail by construction | trained = each expert its own head trained by plain CE on
-    # its bank (the paper's; its lean then depends on how separable the banks are: docs/decisions.md §5.5)
+    # its bank (the paper's; its lean then depends on how separable the banks are: docs/decisions.md, "Shifted experts")
     expert_form: str = "shifted"
     # how the experts combine: hard (uniform expert breaks ties) | soft | confidence | learned (soft with per-expert
     # weights learned on the server from the GFF banks over the eleven test priors)
@@ -187,11 +187,11 @@ class RunConfig:
     # --- calibration and prior-aware inference (tafl.prior) ---
     # calibration fitted federatedly after training, on the clients' held-out rows (only NLL sums, gradients and
     # Hessians of at most 2C numbers leave a client): none | temperature | bcts (temperature and per-class biases) |
-    # vector (per-class scales and biases; docs/decisions.md §2.4)
+    # vector (per-class scales and biases; docs/decisions.md, "EM's error is calibration bias")
     calibration: str = "none"
     calib_holdout: float = 0.0  # share of every client's rows held out of training for the calibration; 0: none
     # which rows: rows (at random, the client's mix) | classes (the same number shared evenly among the client's
-    # classes, each giving at most 30 % of its rows: more rare-class images for the fit; docs/decisions.md §2.7)
+    # classes, each giving at most 30 % of its rows: more rare-class images for the fit; docs/decisions.md, "Class-balanced hold-out")
     calib_holdout_mode: str = "rows"
     calib_rounds: int = 25  # calibration Newton rounds at most
     calib_l2: float = 1.0  # L2 penalty on the biases and on the spread of vector scaling's per-class scales
@@ -201,15 +201,15 @@ class RunConfig:
     # the plain decision's operating point: argmax | validation (label = argmax(z − τ·log π), τ chosen on the
     # validation split by its uniform-prior macro F1: post-hoc logit adjustment, tafl.training.decision; the
     # probabilities are unchanged). GTAFL and CReFF: every expert's bias moves by the same −τ·log π, τ from −1 to 1
-    # chosen by the vote's validation macro F1 (the experts' probabilities carry the move; docs/decisions.md §5.5)
+    # chosen by the vote's validation macro F1 (the experts' probabilities carry the move; docs/decisions.md, "Shifted experts")
     decision: str = "argmax"
     adapt_sizes: str = "100,500"  # unlabeled images per prior estimate in the evaluation, comma-separated
     adapt_draws: int = 5  # draws of unlabeled images per distribution and size in the evaluation
     # the case-mix estimator's Dirichlet smoothing toward the uniform mix, in pseudo-images (tafl.prior.PriorEstimator):
-    # auto (chosen on the validation split among tafl.prior.SMOOTHING_GRID, docs/decisions.md §2.6) or a number >= 0
+    # auto (chosen on the validation split among tafl.prior.SMOOTHING_GRID, docs/decisions.md, "The smoothed estimator") or a number >= 0
     # (0: the maximum-likelihood EM)
     prior_smoothing: str | float = "auto"
-    # --- privacy (tafl.training.privacy, docs/design.md §privacy) ---
+    # --- privacy (tafl.training.privacy, docs/design.md, "What leaves a site") ---
     # record-level differential privacy: the run's ε per training image at every site, over the whole run (every
     # round, every release); null (or inf): no DP. DP-SGD (Opacus) trains each client, its class counts and its
     # class statistics and expert gradients are released with Gaussian noise, one RDP accountant bounds them all
@@ -218,7 +218,7 @@ class RunConfig:
     dp_clip: float = 1.0  # DP-SGD's per-image gradient norm bound
     # the per-image feature norm bound of released class statistics and expert gradients, per √(feature dimension):
     # F = dp_feature_clip·√D (the GroupNorm ResNet-8's per-image feature norm is about 0.74·√D at its median;
-    # docs/results.md §16)
+    # docs/results.md, "What leaves a site")
     dp_feature_clip: float = 0.8
     # the statistics releases' noise multiplier over DP-SGD's (they are not subsampled: each costs far more budget
     # than a DP-SGD step at the same multiplier)
@@ -229,21 +229,21 @@ class RunConfig:
     # features of their images as they are, in a whitened basis of head_basis_dim directions the server computes from
     # its unlabeled pool; the extractor stays as the server made it: its seeded initialisation, --pretrain-steps,
     # GTAFL's SimCLR). null: head with --dp-epsilon (DP-SGD's noise grows with the square root of the parameters it
-    # trains: docs/decisions.md §6.2), all without
+    # trains: docs/decisions.md, "The head under DP"), all without
     train_scope: str | None = None
     head_basis_dim: int = 64  # train_scope head: the server pool's principal directions the sites' head step spans
     # server-side SimCLR steps on the unlabeled server pool (simclr_pool) before round 1, which spend no site's privacy
     # budget; 0: none
     pretrain_steps: int = 0
     pretrain_lr: float = 0.1  # the pre-training's SGD learning rate (momentum 0.9; simclr_batch images a step)
-    # --- ViT-DAFL (docs/design.md §5) ---
+    # --- ViT-DAFL (docs/design.md, "ViT-DAFL") ---
     loss: str = "dafl"  # dafl | focal | ce (the loss ablation)
     gamma_init: float = 2.0  # focusing parameter γ at the start (learnable for dafl unless gamma_fixed)
     gamma_fixed: bool = False  # keep γ at gamma_init instead of learning it
     gamma_max: float = 5.0  # learnable γ is clamped to [0, gamma_max] (unclamped it grows without bound)
     dafl_lambda: float = 0.5  # λ in c_{f,t} = λ·c_k + (1 − λ)·c_{f,t}
     # scale of the two DAFL terms: mean (c_k over the mean of the round's clients' c_k, c_{f,t} over its mean
-    # across classes: both near 1, docs/design.md §5.1) | paper (the literal counts ratios, c ≈ 100 on DermaMNIST)
+    # across classes: both near 1, docs/design.md, "A ViT that trains from scratch") | paper (the literal counts ratios, c ≈ 100 on DermaMNIST)
     dafl_scale: str = "mean"
     aggregation: str = "imbalance"  # imbalance: ω_k ∝ 1/(c_k + ε); size: FedAvg's sample-count weights
     # --- model ---
@@ -312,7 +312,7 @@ class RunConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"config '{key}' = {getattr(self, key)!r}: {why}")
 
-        if self.train_scope is None:  # DP-SGD trains the head only unless told otherwise (docs/decisions.md §6.2)
+        if self.train_scope is None:  # DP-SGD trains the head only unless told otherwise (docs/decisions.md, "The head under DP")
             private = self.dp_epsilon is not None and not (math.isinf(self.dp_epsilon) and self.dp_epsilon > 0)
             self.train_scope = "head" if (private and self.method != "dafl") or self.method == "lda" else "all"
         for key, allowed in choices().items():

@@ -1,4 +1,4 @@
-"""The in-process federated simulator: the embedded default transport of docs/design.md §2.
+"""The in-process federated simulator: the embedded default transport of docs/design.md, "Federated learning".
 
 It builds the long-tailed training set and the client partition once, keeps one copy of the
 data (clients hold index tensors into it) and one working model inside the method, then drives
@@ -756,7 +756,7 @@ def _common_fields(cfg: RunConfig, prep: Prepared) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ evaluation of a checkpoint
-GAP_BOOT = 200  # bootstrap replicates of the test report's gap to the oracle (docs/decisions.md §2.8)
+GAP_BOOT = 200  # bootstrap replicates of the test report's gap to the oracle (docs/decisions.md, "The test split's resolution")
 
 
 def _prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState, cfg: RunConfig,

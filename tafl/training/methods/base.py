@@ -1,4 +1,4 @@
-"""The transport-free FL step interface (docs/design.md §2) that every method implements.
+"""The transport-free FL step interface (docs/design.md, "Federated learning") that every method implements.
 
 A round, driven by the in-process simulator or by the Flower adapter alike:
 
@@ -69,7 +69,7 @@ class BasisHead(nn.Module):
     leading principal directions scaled to unit variance). The head becomes W + A·P, b + a − A·P·μ: the logits are
     the round's W·f + b plus A·P(f − μ) + a. A, a start at zero. Whitening makes plain SGD well conditioned (a
     fixed extractor's features share a mean far larger than their spread: 11.3 against 0.15 a dimension on
-    DermaMNIST), and DP-SGD's noise grows with √(k·C), not √(D·C) (docs/decisions.md §6.2). The inputs are the
+    DermaMNIST), and DP-SGD's noise grows with √(k·C), not √(D·C) (docs/decisions.md, "The head under DP"). The inputs are the
     rows [P(f − μ), W·f + b], computed once per round, so a step reads no image."""
 
     def __init__(self, k: int, num_classes: int, mean: torch.Tensor, proj: torch.Tensor):
@@ -402,7 +402,7 @@ class Method:
 
     def pretrain(self, model: Classifier) -> dict[str, Any]:
         """`pretrain_steps` of SimCLR on the server's unlabeled pool, before round 1, on `model`'s extractor in
-        place: data that spend no site's privacy budget (docs/decisions.md §6.2). Returns what the report records."""
+        place: data that spend no site's privacy budget (docs/decisions.md, "The head under DP"). Returns what the report records."""
         from tafl.training.simclr import ProjectionHead, simclr_refine
 
         cfg = self.cfg
