@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tafl.errors import ConfigError
 from tafl.serving.decoding import default_processes
-from tafl.settings import DEFAULT_MAX_UPLOAD_MB, env_float, env_int, upload_limit
+from tafl.settings import DEFAULT_MAX_UPLOAD_MB, env_float, env_int, prior_adaptive_mode, upload_limit
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class Settings:
     prior_refresh: int = 50  # served images between two estimates
     prior_min_images: int = 100  # fewer images behind the estimate: prior=adaptive falls back to the source prior
     site_mix: str | None = None  # this site's own class counts (tafl.prior.parse_site_mix): the estimator's centre
+    prior_adaptive: str = "checked"  # TAFL_PRIOR_ADAPTIVE: checked (each package's validation check decides) or always
     max_request_frames: int = 256  # decoded frames in one request, all its files together (/predict/batch)
     max_request_pixels: int = 100_000_000  # decoded pixels in one request, all its files together
     decode_processes: int = field(default_factory=default_processes)  # DICOM decoder processes; 0: threads
@@ -84,6 +85,7 @@ class Settings:
                    prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
                    prior_min_images=env_int("TAFL_PRIOR_MIN_IMAGES", 100),
                    site_mix=env.get("TAFL_SITE_MIX", "").strip() or None,
+                   prior_adaptive=prior_adaptive_mode(),
                    max_request_frames=env_int("TAFL_MAX_REQUEST_FRAMES", 256),
                    max_request_pixels=env_int("TAFL_MAX_REQUEST_PIXELS", 100_000_000),
                    # per worker: the default pool is shared out among the workers (at least one each)
@@ -161,9 +163,6 @@ def check_service_env() -> Settings:
     """Every TAFL_* setting the service reads at start, checked: the Settings, TAFL_MAX_CONCURRENCY and
     TAFL_PRIOR_ADAPTIVE. ConfigError (one line naming the variable) on the first bad one; `tafl serve`
     calls it before anything starts, the service module when BentoML imports it."""
-    from tafl.prior import adaptive_blocked
-
-    settings = Settings.from_env()
+    settings = Settings.from_env()  # TAFL_PRIOR_ADAPTIVE among them
     max_concurrency()
-    adaptive_blocked(None)
     return settings
