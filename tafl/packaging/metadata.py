@@ -1,4 +1,4 @@
-"""metadata.json as a typed, versioned contract: what a model package says about itself (docs/design.md §6).
+"""metadata.json as a typed, versioned contract: what a model package says about itself (docs/design.md, "The model package").
 
 Export builds a `PackageMetadata` and writes its `to_json()`; `load_package` reads `PackageMetadata.from_json`, and
 serving, the clients, scoring, the page, the model card, the Open Inference Protocol, the DICOM results and the
