@@ -8,7 +8,7 @@
 #   3. then, side by side: the serving and packaging tests on the GPU machine, and benchmarks/privacy_cost.sh with
 #      DEVICE=cuda on DermaMNIST from $STAGE/medmnist (whatever finishes before $BUDGET s comes back).
 # Everything it writes for the caller goes to $OUT (at most 8 files).
-# Preparing $STAGE (2026-12-04, docs/results.md §18): the machine has torch (with CUDA 13's libraries), numpy, onnx
+# Preparing $STAGE (2026-12-04, docs/results.md, "The CUDA path on a lent GPU"): the machine has torch (with CUDA 13's libraries), numpy, onnx
 # and CPU onnxruntime, and no network. `pip download --no-deps --only-binary=:all: --python-version 3.12` of tafl's
 # other dependencies (bentoml and its own, pydicom, highdicom, opacus, dp-accounting, medmnist, and for the OIP test
 # tritonclient[http] with geventhttpclient, gevent and zope.*, ...) makes whl/

@@ -52,7 +52,7 @@ def coverage(pkg_dir: str) -> dict:
 
     pkg = load_package(pkg_dir)
     sess = pkg.session(["CPUExecutionProvider"], 1)
-    algo = dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files["model.onnx"])
+    algo = dicom_sr.Algorithm.from_metadata(pkg.meta, pkg.files["model.onnx"])
     s = Settings(packages=[])
     files = sorted(SHARED.glob("*.dcm"))
     res = {"files": len(files), "classifiable": 0, "sr_and_sc": 0, "not_classifiable": {}, "no_sr": {},

@@ -39,7 +39,7 @@ from tests.orthanc import Orthanc  # noqa: E402
 
 def srs(pkg_dir: str, n: int) -> list:
     pkg = load_package(pkg_dir)
-    algo = dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
+    algo = dicom_sr.Algorithm.from_metadata(pkg.meta, pkg.files.get("model.onnx", ""))
     k = len(algo.class_names)
     out = []
     sources = [Path(get_testdata_file(f)) for f in ("CT_small.dcm", "MR_small.dcm")]

@@ -9,7 +9,7 @@ the head classes, backward toward the tail) specialises as designed; one whose d
 whatever the test split later says. Writes benchmarks/results/<NAME>.{json,md} (default expert_mix).
 
     --rebuild: also rebuild the experts from the run's stored GFF banks both ways (`expert_form` trained: each
-    expert its own CE head; shifted: one balanced head plus each bank's log mix, docs/decisions.md §5.5), same
+    expert its own CE head; shifted: one balanced head plus each bank's log mix, docs/decisions.md, "Shifted experts"), same
     banks, same seed, and compare them on validation: each expert's head-class share and balanced accuracy and
     the hard vote's. Still no test data.
 """

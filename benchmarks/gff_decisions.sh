@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements behind the GFF decisions of docs/decisions.md §1 (issue 12), on validation data:
+# The measurements behind the GFF decisions of docs/decisions.md, "GTAFL's experts" (issue 12), on validation data:
 # three GTAFL runs without SimCLR (seeds 7, 8, 9; configs/benchmark.yaml, all round checkpoints kept,
 # about 8 minutes each on 2 cores), then the server's expert loop replayed exactly on the features their
 # clients embedded (benchmarks/gff_replay.py), twice per run with other server-side random draws, for each

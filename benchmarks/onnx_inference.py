@@ -95,7 +95,7 @@ def main() -> None:
                    "onnxruntime_vs_eager_throughput": r[f"gtafl_onnxruntime_b{bs}"]["throughput_img_s"]
                    / r[f"gtafl_pytorch_eager_b{bs}"]["throughput_img_s"]} for bs in (1, 64)}
     out = {"checkpoint": str(ck_path), "backbone": mcfg.backbone, "width": mcfg.width, "img_size": mcfg.img_size,
-           "experts": [e["name"] for e in experts], "threads": THREADS, "date": time.strftime("%Y-%m-%d"),
+           "experts": [e.name for e in experts], "threads": THREADS, "date": time.strftime("%Y-%m-%d"),
            "onnxruntime": ort.__version__, "torch": torch.__version__, "results": results, "ratios": ratios,
            "targets": {"gtafl_vs_single_head_throughput": ">= 0.95", "onnxruntime_vs_eager_throughput": ">= 1.0"}}
     res = REPO / "benchmarks" / "results"

@@ -46,7 +46,7 @@ from tests.dicom_net import echo, free_port, instances  # noqa: E402
 from tests.orthanc import Orthanc  # noqa: E402
 
 SHARED = Path(os.environ.get("TAFL_SHARED_DATA", REPO.parent / "shared" / "data")) / "dicom"
-# Orthanc as docs/pacs.md tells a site to run it: DCMTK's Nagle off (TCP_NODELAY=1; results.md §17.1). Without
+# Orthanc as docs/pacs.md tells a site to run it: DCMTK's Nagle off (TCP_NODELAY=1; docs/results.md, "One C-STORE, and Nagle's algorithm"). Without
 # it, every C-STORE to the listener waits on a delayed ACK (--orthanc-nagle measures that case).
 ORTHANC_ENV: dict[str, str] | None = {"TCP_NODELAY": "1"}
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # the listener at its defaults (decoder processes: min(2, cores))

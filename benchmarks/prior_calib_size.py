@@ -4,7 +4,7 @@
                                           [--repeats 3] [--name prior_calib_size]
 
 The federated calibration of a run is vector scaling fitted on the clients' held-out rows (about 700 images on the
-DermaMNIST config). docs/decisions.md §2.7 found the largest gap to the oracle swinging by several points with which
+DermaMNIST config). docs/decisions.md, "Class-balanced hold-out" found the largest gap to the oracle swinging by several points with which
 few hundred images the fit rests on. This study asks how the gap falls as the calibration set grows, with images the
 model never trained on: the test split is cut in two stratified halves (seeded); the pool is the validation split
 plus half A, and every number is measured on half B only, which no calibration saw. For each size m, `--repeats`

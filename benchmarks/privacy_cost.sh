@@ -2,11 +2,11 @@
 # The accuracy cost of record-level DP (issue 34): GTAFL and the best single-head configuration (FedAvg + logit
 # adjustment, tau on validation) at epsilon = inf, 8, 3, 1 (delta 1e-5), three seeds, side by side, on
 # configs/benchmark.yaml (DermaMNIST, 20 clients, 8 a round, 2 local epochs, 20 rounds). A DP run trains the GroupNorm
-# ResNet-8 with DP-SGD and GTAFL runs --no-gs (docs/design.md §12); the inf rows are the non-private configurations as
+# ResNet-8 with DP-SGD and GTAFL runs --no-gs (docs/design.md, "What leaves a site"); the inf rows are the non-private configurations as
 # they stand (BatchNorm, GI-GDS on). Full width is a GPU job (a FedAvg run is about 46 minutes on 2 cores without DP,
 # DP-SGD costs 2-5x that); WIDTH=0.5 quarters the compute.
 # SCOPE=head: the sites train the classifier head only, every row including inf (--train_scope head, the DP default
-# since 2026-12-06: docs/decisions.md §6.2); SCOPE=all: the whole network in every DP row (results.md §18's runs).
+# since 2026-12-06: docs/decisions.md, "The head under DP"); SCOPE=all: the whole network in every DP row (docs/results.md, "DP-SGD over the whole network").
 # Usage: benchmarks/privacy_cost.sh [DATA_ROOT] [ROW ...]   ROW: gtafl | fedavg_la | lda | lda_secure ; EPS="inf 8 3 1" SEEDS="1 2 3"
 #        PAR=2 (two runs side by side, one thread each), WIDTH=0.5, CONFIG=configs/sites_ham10000.yaml (with
 #        DATA_ROOT=../shared/data/ham10000: the four real sites), DEVICE=cuda (on a GPU machine)

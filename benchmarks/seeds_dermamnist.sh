@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every row of docs/results.md §2 over three seeds (issue 12): FedAvg, CReFF as published, CReFF + statistics,
+# Every row of docs/results.md, "GTAFL and CReFF on DermaMNIST" over three seeds (issue 12): FedAvg, CReFF as published, CReFF + statistics,
 # GTAFL and its ablations, each on configs/benchmark.yaml (DermaMNIST, natural long tail, paper-width ResNet-8 at
 # 32 px, 20 clients, 8 a round, 2 local epochs, 20 rounds: on 2 cores about 16 minutes a GTAFL run and 46 a FedAvg
 # run, whose clients train on every image where GI-GDS samples fewer). A seed changes

@@ -4,7 +4,7 @@
 
 TREE_A / TREE_B are checkouts of the repository (e.g. `git worktree add /tmp/base <commit>`). Each round
 starts `bentoml serve` from each tree in turn (cwd and PYTHONPATH set to it, the same package, the same
-settings) and drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (the §5 setup), then
+settings) and drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (docs/results.md, "The first service measurement"), then
 with wrk at concurrency 32 posting a real 1024x1024 MR DICOM (../shared/data/dicom/MR2_UNCR.dcm); with
 `--inputs sr`, pydicom's CT_small answered as a DICOM SR (format=sr). The ratio new / base per round and its median
 say whether a change moved the valid-input throughput (issue 15: within 5 %). Alternating the two trees
@@ -60,7 +60,7 @@ def main() -> int:
     trees = {"base": Path(ns.base).resolve(), "new": Path(ns.new).resolve()}
     pkg = Path(ns.package).resolve()
     png = images(1)[0]
-    dicom = SHARED / "dicom" / "MR2_UNCR.dcm"  # an uncompressed 1024x1024 MR (the DICOM path of §5's setup)
+    dicom = SHARED / "dicom" / "MR2_UNCR.dcm"  # an uncompressed 1024x1024 MR (the DICOM path of docs/results.md, "Soak and where a decode runs")
     from pydicom.data import get_testdata_file
 
     every = {"png": lambda: png, "dicom": dicom.read_bytes,

@@ -6,7 +6,7 @@ A variant is an environment: TAFL_* settings, or PYTHONPATH naming another check
 script from a folder that holds no `tafl`, since `bentoml serve` puts its working folder first on the path).
 
 Each round starts `bentoml serve` once per variant (its TAFL_* environment, e.g. the model lanes and ONNX Runtime
-threads), drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (the §5 setup; 3 s warm-up, then
+threads), drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (docs/results.md, "The first service measurement"; 3 s warm-up, then
 `--seconds`), reads the mean batch size from /models, and measures the in-process ceiling (decode + preprocess +
 ONNX Runtime on two threads, batched by 32; benchmarks/serving_bench.py) just before and just after, so every ratio
 has its own ceiling; a round whose two ceilings differ by more than 1.2x is left out of the per-round ratio (this
@@ -51,7 +51,7 @@ def summarize(rows: dict[str, list[dict]], variants: dict[str, dict]) -> dict[st
     median throughput ratio to the first variant in the same round (the machine's drift cancels)."""
     ceiling = statistics.median(x["ceiling_img_s"] for v in rows.values() for x in v)
     # per round, against the ceiling measured just before and after it, where those two agree: this machine's ceiling
-    # has two states about 1.7x apart (docs/results.md §19.3), and a round across a change says nothing
+    # has two states about 1.7x apart (docs/results.md, "The worker's heap"), and a round across a change says nothing
     steady = {name: [x["ratio"] for x in v if x.get("steady", True)] for name, v in rows.items()}
     first = next(iter(rows.values()))
     out = {}

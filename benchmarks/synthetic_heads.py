@@ -1,4 +1,4 @@
-"""Which synthetic features train a good linear head? The measurement behind docs/decisions.md §1.3, decision 2.
+"""Which synthetic features train a good linear head? The measurement behind docs/decisions.md, "Decisions, each taken on the validation split", decision 2.
 
     python benchmarks/synthetic_heads.py RUN_DIR [RUN_DIR ...]
 

@@ -9,7 +9,7 @@
    Target: under 300 ms.
 2. /predict throughput with and without the page: each round starts two fresh services, one whose page is
    never requested and one whose page is loaded before the burst and again once a second during it, and drives
-   each with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (the results §5 setup; a digits PNG when
+   each with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (docs/results.md, "The first service measurement"; a digits PNG when
    ../shared/data is absent), alternating which goes first. The ratio page / no page per round and its median
    say whether the page costs /predict anything (target: within noise).
 

@@ -18,6 +18,7 @@ serving and the clients all use it.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,7 +84,8 @@ class Calibration:
                 raise ConfigError(f"calibration {name} must be {num_classes} finite numbers, got {v.tolist()}")
         scale = float(d.get("scale", 1.0 / float(d.get("temperature", 1.0))))
         if not math.isfinite(scale) or scale <= 0:
-            raise ConfigError(f"calibration temperature must be positive and finite, got {1 / scale if scale else scale}")
+            raise ConfigError("calibration temperature must be positive and finite, got "
+                              f"{1 / scale if scale else scale}")
         if cs is not None and not (cs > 0).all():
             raise ConfigError(f"calibration class_scale must be positive, got {cs.tolist()}")
         return cls(scale, bias, src, str(d.get("kind", "none")), dict(d.get("fit", {})), cs)
@@ -199,8 +201,9 @@ class NewtonCalibrator:
             self.nll_start = nll
         if not math.isfinite(nll):
             raise ValueError("calibration: the clients' NLL is not finite")
-        # `noise`: how far the summed NLL may be off (a secure sum's quantisation error): a change within it is no change
-        if self.best is not None and nll > self.best[0] + max(1e-12, self.noise):  # worse: back to the best, damp harder
+        # `noise`: how far the summed NLL may be off (a secure sum's quantisation error): a change within it is no
+        # change; worse than that: back to the best, damp harder
+        if self.best is not None and nll > self.best[0] + max(1e-12, self.noise):
             self.damping *= 10
             self.theta = self.best[1].copy()
             totals = self.best[2]
@@ -280,7 +283,6 @@ def parse_site_mix(spec: str, class_names: list[str], name: str = "site mix") ->
     """A site's own class mix for the case-mix estimator's `site` centre: `CLASS=COUNT` pairs separated by commas
     (e.g. `nv=2977,mel=20,bkl=120`; a class left out counts 0), or the path of a JSON object of the same pairs.
     Counts or shares alike. Returns the counts in `class_names` order; ConfigError naming `name` otherwise."""
-    import json
     import os
 
     text = spec.strip()
@@ -326,7 +328,7 @@ SITE_RULE_UNIFORM = 0.01  # the site rule's share of the uniform mix: a class th
 def site_prior(mix: Any, uniform: float = SITE_RULE_UNIFORM) -> np.ndarray:
     """The `site` rule's prior: a site's own class mix (counts or shares, e.g. from `parse_site_mix`), normalised
     and mixed with `uniform` of the uniform mix. A site that knows its case mix from its own labelled images
-    decides every image for it at once, with no images to wait for (docs/decisions.md §5.7). The uniform share
+    decides every image for it at once, with no images to wait for (docs/decisions.md, "prior=site"). The uniform share
     keeps a class the site has not seen (vidir_molemax has no akiec) possible, at about 1/(100·C)."""
     arr = np.asarray(mix, np.float64)
     if arr.ndim != 1 or arr.size < 2 or not np.isfinite(arr).all() or (arr < 0).any() or arr.sum() <= 0:
@@ -334,6 +336,34 @@ def site_prior(mix: Any, uniform: float = SITE_RULE_UNIFORM) -> np.ndarray:
     if not 0.0 <= uniform <= 1.0:
         raise ConfigError(f"the site rule's uniform share must be in [0, 1], got {uniform}")
     return (1.0 - uniform) * arr / arr.sum() + uniform / arr.size
+
+
+PRIOR_WORDS = ("train", "site", "adaptive")  # the `prior` values that are not class probabilities
+
+
+@dataclass(frozen=True)
+class PriorOption:
+    """The `prior` option of a request (/predict, /predict/batch) or a scoring job (`tafl score --prior`): `mode` is
+    train (the model's own rule), site (this site's own mix), adaptive (the estimated served mix) or explicit (the
+    class probabilities in `text`)."""
+
+    mode: str
+    text: str = ""
+
+    def values(self) -> list[Any]:
+        """The explicit prior's values as given: a JSON list, or numbers separated by commas; ValueError for text
+        that is neither. `check_prior` then checks them against the model's classes."""
+        return json.loads(self.text) if self.text.startswith("[") else [float(v) for v in self.text.split(",")]
+
+
+def parse_prior_option(value: Any) -> PriorOption:
+    """The `prior` option, for serving and the clients alike: one of PRIOR_WORDS (any case; missing or blank is
+    train), else an explicit prior whose values `PriorOption.values` reads."""
+    text = str("train" if value is None else value).strip()
+    word = text.lower()
+    if word in ("", "train"):
+        return PriorOption("train", text)
+    return PriorOption(word, text) if word in PRIOR_WORDS else PriorOption("explicit", text)
 
 
 def log_prior_ratio(target: np.ndarray, source: np.ndarray, floor: float = 1e-6) -> np.ndarray:
@@ -410,7 +440,8 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
     return PriorEstimate(q, len(p), it, converged, total_variation(q, src))
 
 
-SMOOTHING_GRID = (0.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0)  # pseudo-images, chosen among on validation
+# pseudo-images, chosen among on validation
+SMOOTHING_GRID = (0.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0)
 CENTERS = ("uniform", "source", "train", "site")
 
 
@@ -428,7 +459,7 @@ class PriorEstimator:
     with a few hundred images and posteriors calibrated on a few dozen images of a rare class, EM gives that class
     a prior of ~0, and the Bayes rule then never predicts it. The symmetric Dirichlet (center uniform) keeps every
     class in play and, more than that, shrinks an estimate that is noisy and biased in every class toward the
-    centre (a floor alone recovers little: docs/decisions.md §2.6). It fades as images accumulate: at n images the
+    centre (a floor alone recovers little: docs/decisions.md, "The smoothed estimator"). It fades as images accumulate: at n images the
     estimate weighs the data's n against the prior's pseudo_count. Training chooses pseudo_count (and, with real
     sites, the centre) on the validation split (`tafl.training.simulator.choose_prior_estimator`); `record` keeps
     how.
@@ -614,15 +645,15 @@ def validation_average(report: dict[str, Any]) -> dict[str, Any] | None:
     return dict(avg, plain=own) if avg.get("plain") is None and own is not None else avg
 
 
-def adaptive_blocked(prior_meta: dict[str, Any] | None) -> str | None:
-    """Why `prior=adaptive` must fall back to the source prior for a package (its metadata's `prior` section),
-    or None. TAFL_PRIOR_ADAPTIVE=checked (default) follows the package's validation check; =always adapts anyway."""
-    import os
+ADAPTIVE_MODES = ("checked", "always")  # TAFL_PRIOR_ADAPTIVE, read by tafl.settings.prior_adaptive_mode
 
-    mode = os.environ.get("TAFL_PRIOR_ADAPTIVE", "checked").strip().lower()
-    if mode not in ("checked", "always"):
+
+def adaptive_blocked(check: Any, mode: str) -> str | None:
+    """Why `prior=adaptive` must fall back to the source prior for a package, or None. `check`: the package's
+    validation check (its metadata's prior.adaptive_check: `recommended`, `why`; None or false where it has none);
+    `mode`: checked follows that check, always adapts anyway (TAFL_PRIOR_ADAPTIVE, which the caller reads)."""
+    if mode not in ADAPTIVE_MODES:
         raise ConfigError(f"TAFL_PRIOR_ADAPTIVE must be checked or always, got {mode!r}")
-    check = (prior_meta or {}).get("adaptive_check") or {}
-    if mode == "always" or check.get("recommended", True):
+    if mode == "always" or not check or check.recommended:
         return None
-    return check.get("why") or "the package's validation check advises against prior=adaptive"
+    return check.why or "the package's validation check advises against prior=adaptive"

@@ -7,7 +7,7 @@ SuperExec). A child can leave the group: BentoML starts each worker in a session
 signal to the group never reaches it, and a worker whose parent was SIGKILLed keeps the port and
 answers (measured). `ProcessTree` therefore also remembers every descendant (psutil, which
 BentoML itself depends on) and SIGKILLs whatever of them outlives the deadline. Standard library,
-httpx, psutil and tafl.errors only: neither torch nor the serving or training stack is imported here.
+httpx, psutil, tafl.errors and tafl.settings only: neither torch nor the serving or training stack is imported here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tafl.errors import ServiceUnavailable
+from tafl.settings import set_env_default
 
 # glibc's size from which one malloc is an mmap of its own, given back to the system when freed. Left to glibc the
 # threshold rises after each large free, and large buffers (uploads, decoded images) then stay on the heap, where
@@ -34,7 +35,7 @@ def bounded_malloc_for_children() -> None:
     """Processes started from here on (decoder processes, BentoML's workers) give large buffers back when freed,
     unless the environment already says otherwise."""
     for name, value in MALLOC_ENV.items():
-        os.environ.setdefault(name, value)
+        set_env_default(name, value)
 
 
 def free_port() -> int:

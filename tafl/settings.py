@@ -1,11 +1,13 @@
-"""Numbers read from TAFL_* environment variables: one parser, one kind of message.
+"""The TAFL_* environment, read here and in tafl.serving.settings only: one parser, one kind of message.
 
 Every numeric TAFL_* setting (the service's limits in `tafl.serving.settings.Settings`, TAFL_MAX_CONCURRENCY,
 TAFL_DRAIN_SECONDS) goes through `env_int` or `env_float`, so a bad value is a `ConfigError` that names the
 variable and the value it got ("TAFL_MAX_FRAMES must be a whole number, got '64k'"), never a bare
 `ValueError: invalid literal for int()`. An unset or blank variable takes its default. `tafl serve` checks
 them before anything starts (`tafl.serving.launch.preflight`); a service started by `bentoml serve`
-directly logs the same line and exits (`tafl.serving.service`). Standard library and tafl.errors only.
+directly logs the same line and exits (`tafl.serving.service`). The other settings the leaves, packaging and the
+clients read have a function each below (`prior_adaptive_mode`, `trusted_keys_setting`, ...): a caller reads its
+setting once, at the top of its job, and passes the value down. Standard library and tafl.errors only.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from collections.abc import Mapping
 
 from tafl.errors import ConfigError
 
-__all__ = ["child_environment", "env_float", "env_int", "env_str", "set_env"]
+__all__ = ["DEFAULT_MAX_UPLOAD_MB", "child_environment", "dicomweb_credentials", "env_float", "env_int", "env_str",
+           "prior_adaptive_mode", "set_env", "set_env_default", "signing_key_setting", "trusted_keys_setting",
+           "upload_limit"]
 
 
 def _raw(name: str, env: Mapping[str, str] | None) -> str:
@@ -74,6 +78,48 @@ def set_env(name: str, value: str) -> None:
     os.environ[name] = value
 
 
+def set_env_default(name: str, value: str) -> None:
+    """Set `name` for this process and the processes it starts, unless the environment already says otherwise."""
+    os.environ.setdefault(name, value)
+
+
 def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment, as a child process is to get it, with `extra` on top."""
     return {**os.environ, **(extra or {})}
+
+
+DEFAULT_MAX_UPLOAD_MB = 50.0
+
+
+def upload_limit() -> int:
+    """TAFL_MAX_UPLOAD_MB (default 50) in bytes: the largest file the service takes in one upload. One reading for
+    every path that receives a DICOM file: the service (tafl.serving.settings), and `tafl score --dicomweb`, which
+    reads no WADO-RS answer past it (tafl.clients.dicomweb)."""
+    return int(env_float("TAFL_MAX_UPLOAD_MB", DEFAULT_MAX_UPLOAD_MB) * 2**20)
+
+
+def prior_adaptive_mode(env: Mapping[str, str] | None = None) -> str:
+    """TAFL_PRIOR_ADAPTIVE: `checked` (default) follows each package's validation check before `prior=adaptive`
+    adapts (tafl.prior.adaptive_blocked); `always` adapts anyway. ConfigError for any other value."""
+    mode = (env_str("TAFL_PRIOR_ADAPTIVE", env=env) or "checked").lower()
+    if mode not in ("checked", "always"):  # tafl.prior.ADAPTIVE_MODES: this leaf imports nothing of tafl but errors
+        raise ConfigError(f"TAFL_PRIOR_ADAPTIVE must be checked or always, got {mode!r}")
+    return mode
+
+
+def trusted_keys_setting() -> str | None:
+    """TAFL_TRUSTED_KEYS: comma-separated public key files or folders of `*.pub` (tafl.packaging.signing); None when
+    unset or blank (signatures are then not required)."""
+    return env_str("TAFL_TRUSTED_KEYS")
+
+
+def signing_key_setting() -> str | None:
+    """TAFL_SIGNING_KEY: the private key `tafl export` signs with where no --sign-key is given; None: unsigned."""
+    return env_str("TAFL_SIGNING_KEY")
+
+
+def dicomweb_credentials() -> tuple[str | None, str | None, str | None]:
+    """(TAFL_DICOMWEB_TOKEN, TAFL_DICOMWEB_USER, TAFL_DICOMWEB_PASSWORD) as set, unstripped (a password may hold
+    spaces); None for each unset or empty one. Credentials never go on the command line (tafl.clients.dicomweb)."""
+    return tuple(os.environ.get(k) or None for k in  # type: ignore[return-value]
+                 ("TAFL_DICOMWEB_TOKEN", "TAFL_DICOMWEB_USER", "TAFL_DICOMWEB_PASSWORD"))

@@ -19,7 +19,7 @@ from tafl.imaging.heatmap import overlay
 from tests.conftest import shared
 
 NAMES = ["nevus", "melanoma", "keratosis"]
-ALGO = dicom_sr.Algorithm("derm-test", "1.2.3", "ab" * 32, NAMES, dicom_sr.class_codes({"class_names": NAMES}))
+ALGO = dicom_sr.Algorithm("derm-test", "1.2.3", "ab" * 32, NAMES, dicom_sr.class_codes(NAMES))
 PATIENT = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex")
 
 
@@ -107,7 +107,8 @@ def test_shared_real_dicoms_get_an_sr_and_a_secondary_capture():
     assert made + len(refused) == classifiable and made / classifiable >= 0.85, (made, classifiable, refused)
 
 
-@pytest.mark.parametrize("name", ["CT_small.dcm", "MR_small.dcm", "SC_rgb_rle_2frame.dcm", "MR_small_RLE.dcm", "examples_palette.dcm"])
+@pytest.mark.parametrize("name", ["CT_small.dcm", "MR_small.dcm", "SC_rgb_rle_2frame.dcm", "MR_small_RLE.dcm",
+                                  "examples_palette.dcm"])
 def test_pydicom_test_files(name):
     data = Path(get_testdata_file(name)).read_bytes()
     source, sr, sc = _make(data, label=2)
@@ -131,9 +132,8 @@ def test_uids_are_derived_from_the_source_and_model_so_a_redelivery_replaces():
 
 
 def test_class_codes_from_metadata_or_the_local_scheme():
-    meta = {"class_names": NAMES, "class_codes": {"melanoma": {"value": "372244006", "scheme": "SCT",
-                                                               "meaning": "Malignant melanoma"}}}
-    codes = dicom_sr.class_codes(meta)
+    codes = dicom_sr.class_codes(NAMES, {"melanoma": {"value": "372244006", "scheme": "SCT",
+                                                      "meaning": "Malignant melanoma"}})
     assert codes[1] == {"value": "372244006", "scheme": "SCT", "meaning": "Malignant melanoma"}
     assert codes[0] == {"value": "class-0", "scheme": "99TAFL", "meaning": "nevus"}
     algo = dicom_sr.Algorithm("m", "1.0.0", "ef" * 32, NAMES, codes)
@@ -175,7 +175,7 @@ def test_export_records_class_codes_and_the_card_states_them(gtafl_run, tmp_path
     pkg = load_package(export_checkpoint(gtafl_run / "final.pt", tmp_path / "pkg", class_codes=codes).path)
     assert pkg.metadata["class_codes"]["3"]["value"] == "372244006"
     assert "3: SCT 372244006 (Malignant melanoma)" in pkg.card and "99TAFL" in pkg.card
-    algo = dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files["model.onnx"])
+    algo = dicom_sr.Algorithm.from_metadata(pkg.meta, pkg.files["model.onnx"])
     assert algo.class_codes[3]["scheme"] == "SCT" and algo.class_codes[0]["scheme"] == "99TAFL"
     codes.write_text(json.dumps({"no-such-class": {"value": "1", "scheme": "SCT"}}))
     with pytest.raises(ConfigError, match="not a class of this model"):

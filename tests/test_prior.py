@@ -245,14 +245,24 @@ def test_the_validation_check_blocks_adaptation_where_it_lost_on_validation(monk
     own = adaptive_check({"calibrated": 0.45, "plain": 0.55, "adaptive_500": 0.52, "oracle": 0.58})
     assert not own["recommended"] and own["against"] == "plain" and "model's own decision" in own["why"]
     assert adaptive_check({"calibrated": 0.45, "plain": 0.55, "adaptive_500": 0.545})["recommended"]
-    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "checked")
-    assert adaptive_blocked({"adaptive_check": bad}) == bad["why"]
-    assert adaptive_blocked({"adaptive_check": good}) is None and adaptive_blocked({}) is None
-    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "always")
-    assert adaptive_blocked({"adaptive_check": bad}) is None
-    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "sometimes")
+    # the package's record as its metadata carries it; the mode is TAFL_PRIOR_ADAPTIVE, which tafl.settings reads
+    from tafl.packaging.metadata import AdaptiveCheck
+    from tafl.settings import prior_adaptive_mode
+
+    assert adaptive_blocked(AdaptiveCheck(bad), "checked") == bad["why"]
+    assert adaptive_blocked(AdaptiveCheck(good), "checked") is None and adaptive_blocked(AdaptiveCheck(), "checked") \
+        is None and adaptive_blocked(None, "checked") is None
+    assert adaptive_blocked(AdaptiveCheck({"recommended": False}), "checked")  # a reason even where none is given
+    assert adaptive_blocked(AdaptiveCheck(bad), "always") is None
     with pytest.raises(ConfigError, match="checked or always"):
-        adaptive_blocked({})
+        adaptive_blocked(AdaptiveCheck(), "sometimes")
+    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", " Always ")
+    assert prior_adaptive_mode() == "always"
+    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "")
+    assert prior_adaptive_mode() == "checked"  # blank: the default, as for every TAFL_* setting
+    monkeypatch.setenv("TAFL_PRIOR_ADAPTIVE", "sometimes")
+    with pytest.raises(ConfigError, match="TAFL_PRIOR_ADAPTIVE must be checked or always, got 'sometimes'"):
+        prior_adaptive_mode()
 
 
 def test_an_older_report_is_checked_against_its_own_label_from_its_validation_section():
@@ -367,3 +377,18 @@ def test_the_services_window_is_estimated_at_most_every_min_interval_and_last_on
     assert mon.estimate.images == 500 and mon.current()[0][1] > 0.7
     assert len(runs) <= 2 + elapsed / 0.3, (runs, elapsed)  # not one EM per 10 images
     assert runs[-1] == 500
+
+
+def test_the_prior_option_is_one_grammar_for_the_service_and_the_clients():
+    """tafl.prior.parse_prior_option reads `prior=` of /predict and `tafl score --prior` alike."""
+    from tafl.prior import PriorOption, parse_prior_option
+
+    for given, mode in ((None, "train"), ("", "train"), ("  Train ", "train"), ("SITE", "site"),
+                        ("adaptive", "adaptive"), ("0.2,0.8", "explicit"), (" [0.2, 0.8] ", "explicit")):
+        assert parse_prior_option(given).mode == mode, given
+    assert parse_prior_option("0.2, 0.8").values() == [0.2, 0.8]
+    assert parse_prior_option(" [0.2, 0.8] ").values() == [0.2, 0.8]  # a JSON list, spaces around it dropped
+    for bad in ("adaptiv", "0.2;0.8", "[0.2, 0.8"):
+        with pytest.raises(ValueError):
+            parse_prior_option(bad).values()
+    assert PriorOption("explicit", "0.5,0.5").values() == [0.5, 0.5]

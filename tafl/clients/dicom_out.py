@@ -55,7 +55,7 @@ class DicomWriter:
         pkg = getattr(scorer, "pkg", None)
         if pkg is None and getattr(scorer, "client", None) is None:
             raise ConfigError("--dicom-out works with in-process (--package) or service (--url) scoring")
-        self.algo = (dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
+        self.algo = (dicom_sr.Algorithm.from_metadata(pkg.meta, pkg.files.get("model.onnx", ""))
                      if pkg is not None else None)
         self.pool = None
         if processes > 0 and self.algo is not None:  # through --url the service builds them
@@ -75,7 +75,7 @@ class DicomWriter:
 
     def start(self, row: Any) -> concurrent.futures.Future | None:
         """Start making the SR of one scored row (None: not a DICOM input, or not scored); `finish` writes it."""
-        from tafl.clients.score import sniff
+        from tafl.clients.results import sniff
 
         src = self.folder / row.path
         if row.error or sniff(src) != "dicom":

@@ -41,7 +41,6 @@ import datetime as dt
 import hashlib
 import io
 import logging
-import os
 import tempfile
 import time
 import uuid
@@ -50,8 +49,11 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import quote
 
+from tafl.clients.job import JobPrior, Tally, decided_prior, make_scorer, open_results, summarise, undated_line
+from tafl.clients.results import Row
 from tafl.errors import ConfigError, DataError, TaflError
 from tafl.imaging import dicom_sr
+from tafl.settings import dicomweb_credentials
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ def session_from_env():
     import requests
 
     s = requests.Session()
-    token, user, password = (os.environ.get(k) for k in (ENV_TOKEN, ENV_USER, ENV_PASSWORD))
+    token, user, password = dicomweb_credentials()
     if token and user:
         raise ConfigError(f"set either {ENV_TOKEN} or {ENV_USER}/{ENV_PASSWORD}, not both")
     if token:
@@ -271,7 +273,7 @@ class Pacs:
     def fetch(self, ref: InstanceRef, raw: Path, limit: int) -> bytes:
         """The instance's Part 10 bytes as stored (any transfer syntax: no transcoding by the server). The bytes, not
         a dataset: dicomweb-client's `retrieve_instance` parses each answer into a pydicom dataset, which the job
-        would only write back to its spool (results.md §17.6: 1.5 ms of CPU an instance, for nothing).
+        would only write back to its spool (docs/results.md, "DICOMweb moves bytes": 1.5 ms of CPU an instance, for nothing).
 
         The answer is streamed into `raw` (a file in the job's spool, removed before this returns) and read no
         further than `limit` bytes (the upload limit) and its multipart framing: a server that sends more, or
@@ -390,17 +392,6 @@ def refused_in(answer) -> set[str]:
     return {_value(item, "00081155") for item in failed if isinstance(item, dict)}
 
 
-def undated_line(undated: dict[str, Any]) -> str:
-    """What --since could not see: how many studies have no StudyDate, and how to score them."""
-    n, uids = undated["count"], undated["uids"]
-    it = "it" if n == 1 and undated["complete"] else "them"
-    how_many = (f"{n} stud{'y has' if n == 1 else 'ies have'}" if undated["complete"] else
-                f"at least {n} of the first {undated['looked_at']:,} studies listed have")
-    shown = " ".join(uids[:5]) + (f" ... ({n - 5} more)" if n > 5 else "")
-    return (f"{how_many} no StudyDate, so --since did not score {it} (a date range matches no study without a "
-            f"date); score {it} with --study UID: {shown}")
-
-
 def _since(value: str | None) -> str | None:
     if value is None:
         return None
@@ -428,15 +419,63 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                    heatmap: bool = False, concurrency: int = 4, batch_size: int = 16, resume: bool = False,
                    force: bool = False, progress: bool | None = None, on_row: Callable[[Any], None] | None = None,
                    prior: str = "train", retries: int = 5, backoff: float = 0.5,
-                   sr_processes: int | None = 0, site_mix: str | None = None) -> dict[str, Any]:
+                   sr_processes: int | None = 0, site_mix: str | None = None,
+                   prior_adaptive: str | None = None) -> dict[str, Any]:
     """Score the instances QIDO finds on `dicomweb` into `out` (see the module's text); the folder job's summary,
-    plus `stored_sr` (instances whose SR was filed) and `sr_refused`. `sr_processes` and `site_mix` as for
-    tafl.clients.score.score_folder (None: min(2, cores) for 16 instances or more, as `tafl score` does)."""
+    plus `stored_sr` (instances whose SR was filed) and `sr_refused`. `sr_processes`, `site_mix` and
+    `prior_adaptive` as for tafl.clients.score.score_folder (None: min(2, cores) for 16 instances or more, as
+    `tafl score` does)."""
     from tafl.clients.dicom_out import DicomWriter, processes_for
-    from tafl.clients.score import (ResultsFile, Row, check_site_mix, explicit_prior, make_scorer, summarise,
-                                    use_site_prior)
+    from tafl.settings import upload_limit
 
     out = Path(out)
+    studies = _check_options(url, package, studies, since, modality, heatmap, store_sr, concurrency, batch_size)
+    job = JobPrior.read(prior, site_mix, prior_adaptive)  # a bad TAFL_PRIOR_ADAPTIVE fails before anything is fetched
+    # what bounds a WADO-RS answer: the service's upload limit, which also refuses any larger file sent through --url,
+    # and in-process the same 50 MiB as the decoder's own max_bytes, unless TAFL_MAX_UPLOAD_MB says otherwise
+    limit = upload_limit()
+    pacs = Pacs(dicomweb, retries=retries, backoff=backoff)
+    images, others, undated = _find(pacs, dicomweb, studies, since, modality.upper() if modality else None,
+                                    concurrency)
+    scorer = make_scorer(url, package, token, model, concurrency, batch_size, job)
+    explicit = decided_prior(scorer, job)
+    results = open_results(out, scorer, job, resume=resume, force=force)
+    todo = [r for r in images if r.key not in results.done]
+    writer = None
+    if store_sr:
+        procs = processes_for(len(todo)) if sr_processes is None else sr_processes
+        writer = DicomWriter(None, None, scorer, heatmap=heatmap, processes=procs)
+    tally = Tally(dict(results.done_counts))
+    skipped = [r.key for r in others]
+    skipped_why = {r.key: skip_reason(r) for r in others}  # what each is, for the summary
+    batches = _Batches(pacs, scorer, results, writer, tally, limit=limit, in_process=package is not None,
+                       concurrency=concurrency, on_row=on_row, skipped=skipped, skipped_why=skipped_why)
+    from tqdm.auto import tqdm
+
+    try:
+        with tqdm(total=len(images), initial=len(images) - len(todo), unit="img", desc="scoring",
+                  disable=(not progress) if progress is not None else None, dynamic_ncols=True) as bar:
+            batches.run([todo[i:i + batch_size] for i in range(0, len(todo), batch_size)], bar)
+    finally:
+        batches.shutdown()
+        results.close()
+        scorer.close()
+        if writer is not None:
+            writer.close()
+        batches.spool.cleanup()
+    summary = summarise(scorer.meta, tally, out, images=len(images), todo=len(todo), skipped=skipped,
+                        explicit=explicit, job=job)
+    summary.update(source=pacs.url, non_image=len(skipped), skipped_why=skipped_why)
+    if undated is not None:
+        summary["undated_studies"] = undated
+    if store_sr:
+        summary.update(stored_sr=batches.stored, sr_refused=batches.refused)
+    return summary
+
+
+def _check_options(url: str | None, package: str | None, studies: list[str] | None, since: str | None,
+                   modality: str | None, heatmap: bool, store_sr: bool, concurrency: int, batch_size: int) -> list[str]:
+    """The options that go together, checked before the PACS is asked anything; the --study UIDs, stripped."""
     if (url is None) == (package is None):
         raise ConfigError("give exactly one of --url URL (score through the service) or --package PKG_DIR")
     studies = [s.strip() for s in (studies or []) if s.strip()]
@@ -450,20 +489,13 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                           "secondary capture)")
     if concurrency < 1 or batch_size < 1:
         raise ConfigError("--concurrency and --batch-size must be at least 1")
-    mode = (prior or "train").strip().lower()
-    adaptive = mode == "adaptive"
-    explicit = explicit_prior(prior)
-    if adaptive:
-        from tafl.prior import adaptive_blocked
+    return studies
 
-        adaptive_blocked(None)  # a bad TAFL_PRIOR_ADAPTIVE fails here, before anything is fetched (as for a folder)
-    from tafl.serving.settings import upload_limit
 
-    # what bounds a WADO-RS answer: the service's upload limit, which also refuses any larger file sent through --url,
-    # and in-process the same 50 MiB as the decoder's own max_bytes, unless TAFL_MAX_UPLOAD_MB says otherwise
-    limit = upload_limit()
-    pacs = Pacs(dicomweb, retries=retries, backoff=backoff)
-    modality = modality.upper() if modality else None
+def _find(pacs: Pacs, dicomweb: str, studies: list[str], since: str | None, modality: str | None,
+          concurrency: int) -> tuple[list[InstanceRef], list[InstanceRef], dict[str, Any] | None]:
+    """(image instances, non-image instances, the studies --since could not see or None); DataError naming the
+    server as given (`dicomweb`) without an image instance."""
     images, others = pacs.find(studies, _since(since), modality, concurrency)
     undated = None
     if since:  # the studies a date range cannot match: counted, so that the job does not miss them in silence
@@ -474,66 +506,100 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     if not images:
         raise DataError(f"{dicomweb} holds no image instance for this query ({len(others)} non-image instance(s))"
                         + (f"; {undated_line(undated)}" if undated and undated["count"] else ""))
-    scorer = make_scorer(url, package, token, model, concurrency, batch_size, prior)
-    check_site_mix(scorer.meta, site_mix, mode)
-    if mode == "site":
-        explicit = use_site_prior(scorer, site_mix)
-    experts = [e["name"] for e in scorer.meta.get("experts", [])]
-    results = ResultsFile(out, experts, resume=resume, force=force,
-                          num_posteriors=len(scorer.meta["class_names"]) if adaptive else 0)
-    todo = [r for r in images if r.key not in results.done]
-    writer = None
-    if store_sr:
-        procs = processes_for(len(todo)) if sr_processes is None else sr_processes
-        writer = DicomWriter(None, None, scorer, heatmap=heatmap, processes=procs)
-    counts: dict[str, int] = dict(results.done_counts)
-    failed: list[tuple[str, str]] = []
-    skipped = [r.key for r in others]
-    skipped_why = {r.key: skip_reason(r) for r in others}  # what each is, for the summary
-    state = {"predicted": 0, "stored": 0, "refused": 0}
-    chunks = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
-    from tqdm.auto import tqdm
+    return images, others, undated
 
-    spool = tempfile.TemporaryDirectory(prefix="tafl-dicomweb-")
-    fetchers = concurrent.futures.ThreadPoolExecutor(concurrency)
-    stage = concurrent.futures.ThreadPoolExecutor(2)  # the next batch's fetch and this batch's STOW
 
-    def fetch_chunk(chunk: list[InstanceRef]) -> list[tuple[InstanceRef, Path | None, str]]:
+class _Batches:
+    """The job's instances, batch by batch: the next batch is fetched (WADO-RS, `concurrency` instances at once,
+    into a spool folder) while this one is scored, and this batch's SRs are made and filed (one STOW-RS) while the
+    next is scored. Rows are written in order, each after its SR was filed (or refused), so a kill loses nothing."""
+
+    def __init__(self, pacs: Pacs, scorer: Any, results: Any, writer: Any, tally: Tally, *, limit: int,
+                 in_process: bool, concurrency: int, on_row: Callable[[Any], None] | None, skipped: list[str],
+                 skipped_why: dict[str, str]):
+        self.pacs, self.scorer, self.results, self.writer, self.tally = pacs, scorer, results, writer, tally
+        self.limit, self.in_process, self.on_row = limit, in_process, on_row
+        self.skipped, self.skipped_why = skipped, skipped_why
+        self.stored = self.refused = 0  # SRs filed, and refused by the PACS
+        self.spool = tempfile.TemporaryDirectory(prefix="tafl-dicomweb-")
+        self.fetchers = concurrent.futures.ThreadPoolExecutor(concurrency)
+        self.stage = concurrent.futures.ThreadPoolExecutor(2)  # the next batch's fetch and this batch's STOW
+
+    def run(self, chunks: list[list[InstanceRef]], bar) -> None:
+        next_fetch = self.stage.submit(self.fetch, chunks[0]) if chunks else None
+        filing = None
+        for i in range(len(chunks)):
+            fetched = next_fetch.result()
+            next_fetch = self.stage.submit(self.fetch, chunks[i + 1]) if i + 1 < len(chunks) else None
+            rows = self.score(fetched)
+            # with processes, this batch's SRs are built while the last batch's are still being filed
+            making = self.make_srs(rows) if self.writer is not None and self.writer.pool is not None else None
+            if filing is not None:
+                self.emit(filing.result(), bar)
+            filing = self.stage.submit(self.file_and_clean, rows, making)
+        if filing is not None:
+            self.emit(filing.result(), bar)
+
+    def shutdown(self) -> None:
+        self.fetchers.shutdown(wait=True, cancel_futures=True)
+        self.stage.shutdown(wait=True, cancel_futures=True)
+
+    def fetch(self, chunk: list[InstanceRef]) -> list[tuple[InstanceRef, Path | None, str]]:
         """(ref, spooled file or None, why skipped) per instance; raises PacsUnavailable."""
-        def one(ref: InstanceRef):
-            too_big = oversized(ref) if package else None  # through --url the service's own limits decide
-            if too_big:
-                return ref, None, "error:" + too_big
-            path = Path(spool.name) / f"{hashlib.sha256(ref.key.encode()).hexdigest()}.dcm"  # not the UID: a path
-            try:
-                data = pacs.fetch(ref, path.with_suffix(".wado"), limit)
-            except TooLarge as exc:
-                return ref, None, f"error:413 PayloadTooLarge: {exc.message}"
-            except PacsRefused as exc:
-                return ref, None, f"error:{exc.message}"  # PacsRefused names the request (WADO-RS ...) itself
-            try:
-                ds = _header(data)
-            except Exception as exc:  # pydicom raises many kinds on a damaged file
-                return ref, None, (f"error:422 UnprocessableImage: the WADO-RS answer is not a DICOM instance "
-                                   f"({type(exc).__name__}: {str(exc)[:120]})")
-            if str(ds.get("Manufacturer", "")) == dicom_sr.MANUFACTURER:  # a heatmap tafl filed itself
-                return ref, None, "skip:" + skip_reason(replace(ref, ours=True), str(ds.get("SOPClassUID", "")))
-            if not dicom_sr.is_image_object(ds):
-                return ref, None, "skip:" + skip_reason(ref, str(ds.get("SOPClassUID", "")), no_pixels=True)
-            path.write_bytes(data)
-            return ref, path, ""
-        return list(fetchers.map(one, chunk))
+        return list(self.fetchers.map(self.fetch_one, chunk))
 
-    def make_srs(rows: list[tuple[Any, Path | None]]) -> dict[int, Any]:
+    def fetch_one(self, ref: InstanceRef) -> tuple[InstanceRef, Path | None, str]:
+        too_big = oversized(ref) if self.in_process else None  # through --url the service's own limits decide
+        if too_big:
+            return ref, None, "error:" + too_big
+        path = Path(self.spool.name) / f"{hashlib.sha256(ref.key.encode()).hexdigest()}.dcm"  # not the UID: a path
+        try:
+            data = self.pacs.fetch(ref, path.with_suffix(".wado"), self.limit)
+        except TooLarge as exc:
+            return ref, None, f"error:413 PayloadTooLarge: {exc.message}"
+        except PacsRefused as exc:
+            return ref, None, f"error:{exc.message}"  # PacsRefused names the request (WADO-RS ...) itself
+        try:
+            ds = _header(data)
+        except Exception as exc:  # pydicom raises many kinds on a damaged file
+            return ref, None, (f"error:422 UnprocessableImage: the WADO-RS answer is not a DICOM instance "
+                               f"({type(exc).__name__}: {str(exc)[:120]})")
+        if str(ds.get("Manufacturer", "")) == dicom_sr.MANUFACTURER:  # a heatmap tafl filed itself
+            return ref, None, "skip:" + skip_reason(replace(ref, ours=True), str(ds.get("SOPClassUID", "")))
+        if not dicom_sr.is_image_object(ds):
+            return ref, None, "skip:" + skip_reason(ref, str(ds.get("SOPClassUID", "")), no_pixels=True)
+        path.write_bytes(data)
+        return ref, path, ""
+
+    def score(self, fetched: list[tuple[InstanceRef, Path | None, str]]) -> list[tuple[Any, Path | None]]:
+        """The batch's rows, in order, each with its spooled file (None for a row that is an error)."""
+        keys = {p: ref.key for ref, p, _ in fetched if p is not None}
+        scored = {}
+        paths = list(keys)
+        if paths:
+            for row in self.scorer.score(paths, lambda p: keys[p]):
+                scored[row.path] = row
+        out_rows = []
+        for ref, path, why in fetched:
+            if why.startswith("skip:"):
+                self.skipped.append(ref.key)
+                self.skipped_why[ref.key] = why[5:]
+            elif why.startswith("error:"):
+                out_rows.append((Row(ref.key, error=why[6:]), None))
+            else:
+                out_rows.append((scored[ref.key], path))
+        return out_rows
+
+    def make_srs(self, rows: list[tuple[Any, Path | None]]) -> dict[int, Any]:
         """Start building the batch's SRs (side by side in the writer's processes, when it has them)."""
-        return {i: writer.submit(path.read_bytes(), row) for i, (row, path) in enumerate(rows)
+        return {i: self.writer.submit(path.read_bytes(), row) for i, (row, path) in enumerate(rows)
                 if not row.error and path is not None}
 
-    def file_chunk(rows: list[tuple[Any, Path | None]], making: dict[int, Any] | None) -> list[Any]:
+    def file(self, rows: list[tuple[Any, Path | None]], making: dict[int, Any] | None) -> list[Any]:
         """STOW the batch's SRs (one request), then mark what was refused; the rows, in order."""
-        if writer is None:
+        if self.writer is None:
             return [r for r, _ in rows]
-        making = make_srs(rows) if making is None else making
+        making = self.make_srs(rows) if making is None else making
         objects: dict[int, list[bytes]] = {}
         for i, made in making.items():
             try:
@@ -543,7 +609,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
         if objects:
             uids = {i: [dicom_sr.sop_instance_uid(b) for b in parts] for i, parts in objects.items()}
             try:
-                refused = pacs.store([b for parts in objects.values() for b in parts])
+                refused = self.pacs.store([b for parts in objects.values() for b in parts])
                 why = "refused in the STOW-RS answer"
             except PacsRefused as exc:
                 refused = {u for us in uids.values() for u in us}
@@ -552,79 +618,24 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                 row = rows[i][0]
                 if any(u in refused for u in uids[i]):
                     row.error = f"SR not stored: {why}"
-                    state["refused"] += 1
+                    self.refused += 1
                 else:
-                    state["stored"] += 1
+                    self.stored += 1
         return [r for r, _ in rows]
 
-    def file_and_clean(rows: list[tuple[Any, Path | None]], making: dict[int, Any] | None) -> list[Any]:
+    def file_and_clean(self, rows: list[tuple[Any, Path | None]], making: dict[int, Any] | None) -> list[Any]:
         try:
-            return file_chunk(rows, making)
+            return self.file(rows, making)
         finally:
             for _, path in rows:
                 if path is not None:
                     path.unlink(missing_ok=True)
 
-    def score_chunk(fetched: list[tuple[InstanceRef, Path | None, str]]) -> list[tuple[Any, Path | None]]:
-        keys = {p: ref.key for ref, p, _ in fetched if p is not None}
-        scored = {}
-        paths = list(keys)
-        if paths:
-            for row in scorer.score(paths, lambda p: keys[p]):
-                scored[row.path] = row
-        out_rows = []
-        for ref, path, why in fetched:
-            if why.startswith("skip:"):
-                skipped.append(ref.key)
-                skipped_why[ref.key] = why[5:]
-            elif why.startswith("error:"):
-                out_rows.append((Row(ref.key, error=why[6:]), None))
-            else:
-                out_rows.append((scored[ref.key], path))
-        return out_rows
-
-    def emit(rows: list[Any], bar) -> None:
+    def emit(self, rows: list[Any], bar) -> None:
         for row in rows:
-            results.write(row)
-            if row.error:
-                failed.append((row.path, row.error))
-            if row.label is not None:  # scored (its SR may still have been refused: the error says so)
-                counts[row.class_name] = counts.get(row.class_name, 0) + 1
-                state["predicted"] += 1
-            if on_row:
-                on_row(row)
+            self.results.write(row)
+            # a scored row counts in the class mix even where its SR was refused (the error says so)
+            self.tally.add(row, predicted=row.label is not None)
+            if self.on_row:
+                self.on_row(row)
             bar.update(1)
-
-    try:
-        with tqdm(total=len(images), initial=len(images) - len(todo), unit="img", desc="scoring",
-                  disable=(not progress) if progress is not None else None, dynamic_ncols=True) as bar:
-            next_fetch = stage.submit(fetch_chunk, chunks[0]) if chunks else None
-            filing = None
-            for i in range(len(chunks)):
-                fetched = next_fetch.result()
-                next_fetch = stage.submit(fetch_chunk, chunks[i + 1]) if i + 1 < len(chunks) else None
-                rows = score_chunk(fetched)
-                # with processes, this batch's SRs are built while the last batch's are still being filed
-                making = make_srs(rows) if writer is not None and writer.pool is not None else None
-                if filing is not None:
-                    emit(filing.result(), bar)
-                filing = stage.submit(file_and_clean, rows, making)
-            if filing is not None:
-                emit(filing.result(), bar)
-    finally:
-        fetchers.shutdown(wait=True, cancel_futures=True)
-        stage.shutdown(wait=True, cancel_futures=True)
-        results.close()
-        scorer.close()
-        if writer is not None:
-            writer.close()
-        spool.cleanup()
-    summary = summarise(scorer.meta, counts, out, images=len(images), todo=len(todo),
-                        predicted_now=state["predicted"], failed=failed, skipped=skipped, explicit=explicit,
-                        adaptive=adaptive, site_mix=site_mix, site_rule=mode == "site")
-    summary.update(source=pacs.url, non_image=len(skipped), skipped_why=skipped_why)
-    if undated is not None:
-        summary["undated_studies"] = undated
-    if store_sr:
-        summary.update(stored_sr=state["stored"], sr_refused=state["refused"])
-    return summary

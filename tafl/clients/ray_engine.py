@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from tafl.clients.score import LocalScorer, Row
+from tafl.clients.results import Row
+from tafl.clients.scorers import LocalScorer
 from tafl.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class RayScorer:
             raise ConfigError(f"--workers must be at least 1, got {workers}")
         pkg = load_package(package)  # verified here once, and again in every actor
         pkg.release_model_bytes()
-        self.meta = pkg.metadata
+        self.meta = pkg.meta
         self.package = str(Path(package).resolve())
         self.batch_size = max(1, batch_size)
         self.address, self.workers, self.gpus_per_worker = address, workers, gpus_per_worker

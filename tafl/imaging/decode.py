@@ -36,7 +36,6 @@ import re
 import struct
 import threading
 import warnings
-import zlib
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
@@ -59,7 +58,6 @@ from pydicom.uid import (
     ExplicitVRBigEndian,
     ExplicitVRLittleEndian,
     ImplicitVRLittleEndian,
-    JPEGExtended12Bit,
     RLELossless,
 )
 
@@ -70,6 +68,23 @@ from tafl.errors import (
     ServiceError,
     UnprocessableImage,
     UnsupportedMedia,
+)
+from tafl.imaging.codecs import (
+    check_encapsulated,
+    expand_segmented_palettes,
+    is_jpeg12,
+    jpeg12_state,
+    jpeg_sof,
+    rle_state,
+    safe_int,
+)
+from tafl.imaging.dicom_scan import (
+    LONG_VRS,
+    MAX_DEPTH,
+    inflate,
+    prescan,
+    scan_dicom,
+    truncation,
 )
 from tafl.imaging.pixels import minmax_u8, pil_to_uint8
 
@@ -171,7 +186,7 @@ def dicom_transfer_syntax(data: bytes) -> str | None:
             group, elem = struct.unpack_from("<HH", data, pos)
             if group != 2:
                 return None
-            if data[pos + 4:pos + 6] in _LONG_VRS:
+            if data[pos + 4:pos + 6] in LONG_VRS:
                 length, head = struct.unpack_from("<I", data, pos + 8)[0], 12
             else:
                 length, head = struct.unpack_from("<H", data, pos + 6)[0], 8
@@ -280,12 +295,48 @@ def _decode_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int)
 
 
 def _render_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int) -> DecodedImage:
+    """Bounded at every step: the data set read (`_read_dataset`), its declared geometry checked against the limits
+    (`_geometry`), its pixels decoded (`_decode_pixels`), then rendered to 8-bit frames."""
+    ds, deflated, data = _read_dataset(data, max_bytes, max_frames)  # data: inflated, where it was deflated
+    rows, cols, n_frames, spp = _geometry(ds, len(data), max_pixels, max_frames)
+    arr, meta, tsyntax, ts_name = _decode_pixels(ds, deflated, rows, cols, n_frames, spp, max_frames)
+    # One layout for everything: (F, H, W) or (F, H, W, 3), from the header, not from ndim alone.
+    arr = arr[np.newaxis] if n_frames == 1 else arr
+    if arr.shape[:3] != (n_frames, rows, cols) or arr.ndim != (4 if spp == 3 else 3):
+        raise UnprocessableImage("the DICOM pixel data does not match its declared size: "
+                                 "export it again from the PACS or modality and resend it")
+    photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).strip().upper()
+    decoded_as = str(meta.get("photometric_interpretation") or photometric).strip().upper()
+    info: dict[str, Any] = {"modality": _safe_code(ds.get("Modality")),
+                            "photometric": photometric if photometric in PHOTOMETRICS else "other",
+                            "bits_allocated": safe_int(ds.get("BitsAllocated")),
+                            "bits_stored": safe_int(ds.get("BitsStored")),
+                            "transfer_syntax": ts_name, "frames": n_frames, "sop_class": _sop_class_name(ds)}
+
+    if spp == 3:
+        if decoded_as in ("YBR_FULL", "YBR_FULL_422") and arr.dtype == np.uint8:
+            arr = convert_color_space(arr, decoded_as, "RGB", per_frame=True)
+        out = _scale_colour(arr, safe_int(ds.get("BitsStored")) or arr.dtype.itemsize * 8)
+    elif photometric == "PALETTE COLOR":
+        rgb = _palette_to_rgb(arr, ds, little_endian=tsyntax.is_little_endian)
+        out = _scale_colour(rgb, rgb.dtype.itemsize * 8)
+    else:
+        out, info["windowing"] = _render_grey(arr, ds, invert=photometric == "MONOCHROME1")
+    frames = [np.ascontiguousarray(f, dtype=np.uint8) for f in out]
+    return DecodedImage(frames=frames, kind="dicom", info={k: v for k, v in info.items() if v is not None})
+
+
+
+
+def _read_dataset(data: bytes, max_bytes: int, max_frames: int) -> tuple[pydicom.Dataset, bool, bytes]:
+    """The data set, read by pydicom once the pre-scan found it whole and within bounds; whether it was deflated;
+    and its bytes (inflated, where they were deflated)."""
     max_elements = max(10_000, 100 * max_frames)  # real files: under 1 500 (an ECG waveform); pydicom ~30 µs each
-    scan = _prescan(data, max_elements)
+    scan = prescan(data, max_elements)
     deflated = scan.deflated
     if deflated:  # inflated here, with a cap, rather than by pydicom (which inflates it whole)
-        data = _inflate(data, scan, max_bytes)
-        scan = _prescan(data, max_elements)
+        data = inflate(data, scan, max_bytes)
+        scan = prescan(data, max_elements)
     cut = truncation(scan, len(data), 132 if data[128:132] == b"DICM" else 0)
     if cut:  # said before pydicom, which reads a cut file as far as it goes ("holds no image", a decode error)
         raise UnprocessableImage(f"the DICOM file is truncated: {cut}; send the complete file (export it again "
@@ -298,11 +349,17 @@ def _render_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int)
                                      "bytes in all); send the complete file (export it again and resend it)") from None
         raise UnprocessableImage("the DICOM file is truncated or corrupt and could not be read: "
                                  "export it again from the PACS or modality and resend it") from None
+    return ds, deflated, data
+
+
+def _geometry(ds: pydicom.Dataset, size: int, max_pixels: int, max_frames: int) -> tuple[int, int, int, int]:
+    """(rows, columns, frames, samples per pixel) as the header declares them, each checked against the limits
+    before any pixel is decoded."""
     if not any(k in ds for k in PIXEL_KEYWORDS):
         sop = _sop_class_name(ds)
         if "Rows" in ds or (sop and "Image Storage" in sop):  # an image object cut before its pixels
             raise UnprocessableImage(f"the DICOM file is truncated: {f'a {sop} object' if sop else 'an image'} "
-                                     f"that ends after {len(data):,} bytes, before its pixel data; send the "
+                                     f"that ends after {size:,} bytes, before its pixel data; send the "
                                      "complete file (export it again and resend it)")
         raise UnprocessableImage(f"the DICOM file holds no image{f' ({sop})' if sop else ''}: send an image "
                                  "object such as CT, MR, X-ray, ultrasound or a secondary capture")
@@ -322,6 +379,13 @@ def _render_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int)
         raise UnprocessableImage(f"the DICOM image has {n_frames} frames of {spp} samples per pixel, which is "
                                  "not a grey or RGB image: export it as a standard grey or RGB image")
 
+    return rows, cols, n_frames, spp
+
+
+def _decode_pixels(ds: pydicom.Dataset, deflated: bool, rows: int, cols: int, n_frames: int, spp: int,
+                   max_frames: int) -> tuple[np.ndarray, dict[str, Any], UID, str]:
+    """The decoded samples (and pydicom's facts about them), the transfer syntax and its name: encapsulated frames
+    are checked against the header first, RLE and 12-bit JPEG go to tafl's bounded decoders."""
     if not ds.file_meta.get("TransferSyntaxUID"):  # bare data set: use the encoding it was read with
         implicit, little = ds.original_encoding
         ds.file_meta.TransferSyntaxUID = (ImplicitVRLittleEndian if implicit else
@@ -338,20 +402,20 @@ def _render_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int)
                                "uncompressed or as JPEG, JPEG-LS, JPEG 2000 or RLE and resend it")
     pixel_keyword = next(k for k in PIXEL_KEYWORDS if k in ds)
     if tsyntax.is_encapsulated and pixel_keyword == "PixelData":
-        _check_encapsulated(ds.PixelData, tsyntax, n_frames, rows, cols, spp, max_fragments=max(4096, 64 * max_frames))
-    plugin = {"decoding_plugin": "tafl"} if tsyntax == RLELossless or _is_jpeg12(tsyntax, ds) else {}
+        check_encapsulated(ds.PixelData, tsyntax, n_frames, rows, cols, spp, max_fragments=max(4096, 64 * max_frames))
+    plugin = {"decoding_plugin": "tafl"} if tsyntax == RLELossless or is_jpeg12(tsyntax, ds) else {}
     if plugin and "tafl" not in decoder.available_plugins:  # 12-bit JPEG without pylibjpeg-libjpeg installed
         raise UnsupportedMedia(f"the DICOM transfer syntax '{ts_name}' with 12-bit samples is not "
                                "supported here: export the image uncompressed or as JPEG-LS, JPEG 2000 or RLE and "
                                "resend it")
-    _rle_state.too_long = _jpeg12_state.cut = False
+    rle_state.too_long = jpeg12_state.cut = False
     try:
         arr, meta = decoder.as_array(ds, validate=True, raw=False, **plugin, **as_pixel_options(ds))
     except Exception:
-        if tsyntax == RLELossless and getattr(_rle_state, "too_long", False):
+        if tsyntax == RLELossless and getattr(rle_state, "too_long", False):
             raise UnprocessableImage("the DICOM file's RLE pixel data decodes to more than its declared image "
                                      "size: export it again from the PACS or modality and resend it") from None
-        if getattr(_jpeg12_state, "cut", False):
+        if getattr(jpeg12_state, "cut", False):
             raise UnprocessableImage("the DICOM file's JPEG pixel data is truncated: a frame ends before its "
                                      "end-of-image marker; send the complete file (export it again and resend "
                                      "it)") from None
@@ -359,30 +423,7 @@ def _render_dicom(data: bytes, max_bytes: int, max_pixels: int, max_frames: int)
                                  "corrupt or in an unsupported variant: export it again uncompressed and "
                                  "resend it") from None
 
-    # One layout for everything: (F, H, W) or (F, H, W, 3), from the header, not from ndim alone.
-    arr = arr[np.newaxis] if n_frames == 1 else arr
-    if arr.shape[:3] != (n_frames, rows, cols) or arr.ndim != (4 if spp == 3 else 3):
-        raise UnprocessableImage("the DICOM pixel data does not match its declared size: "
-                                 "export it again from the PACS or modality and resend it")
-    photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).strip().upper()
-    decoded_as = str(meta.get("photometric_interpretation") or photometric).strip().upper()
-    info: dict[str, Any] = {"modality": _safe_code(ds.get("Modality")),
-                            "photometric": photometric if photometric in PHOTOMETRICS else "other",
-                            "bits_allocated": _safe_int(ds.get("BitsAllocated")),
-                            "bits_stored": _safe_int(ds.get("BitsStored")),
-                            "transfer_syntax": ts_name, "frames": n_frames, "sop_class": _sop_class_name(ds)}
-
-    if spp == 3:
-        if decoded_as in ("YBR_FULL", "YBR_FULL_422") and arr.dtype == np.uint8:
-            arr = convert_color_space(arr, decoded_as, "RGB", per_frame=True)
-        out = _scale_colour(arr, _safe_int(ds.get("BitsStored")) or arr.dtype.itemsize * 8)
-    elif photometric == "PALETTE COLOR":
-        rgb = _palette_to_rgb(arr, ds, little_endian=tsyntax.is_little_endian)
-        out = _scale_colour(rgb, rgb.dtype.itemsize * 8)
-    else:
-        out, info["windowing"] = _render_grey(arr, ds, invert=photometric == "MONOCHROME1")
-    frames = [np.ascontiguousarray(f, dtype=np.uint8) for f in out]
-    return DecodedImage(frames=frames, kind="dicom", info={k: v for k, v in info.items() if v is not None})
+    return arr, meta, tsyntax, ts_name
 
 
 _CHUNK_PIXELS = 1 << 20  # the grey pipeline's float64 temporaries are bounded to this many pixels at a time
@@ -458,7 +499,7 @@ def _palette_to_rgb(arr: np.ndarray, ds: pydicom.Dataset, *, little_endian: bool
         for keyword in (f"{c}PaletteColorLookupTableData" for c in ("Red", "Green", "Blue", "Alpha")):
             if keyword in ds and len(ds[keyword].value) == 2 * n_entries:
                 ds[keyword].value = np.frombuffer(ds[keyword].value, ">u2").astype("=u2").tobytes()
-    _expand_segmented_palettes(ds, little_endian)
+    expand_segmented_palettes(ds, little_endian)
     return apply_color_lut(arr, ds)[..., :3]
 
 
@@ -555,13 +596,13 @@ def decoded_nbytes(data: bytes) -> int:
             out = 1 if colour in (0, 4) and depth <= 8 else 3
             return w * h * (max(1, channels * depth // 8) + 4 * channels + out)  # + an RGBA/uint16 temporary
         if data.startswith(JPEG_MAGIC):
-            sof = _jpeg_sof(data, 0, min(len(data), 1 << 20))
+            sof = jpeg_sof(data, 0, min(len(data), 1 << 20))
             if sof is None:
                 return UNKNOWN_NBYTES
             h, w, comps = sof
             return w * max(h, 1) * comps * 2
         if data[128:132] == b"DICM" or _looks_like_bare_dataset(data):
-            scan = _scan_dicom(data, max_elements=_PROBE_ELEMENTS, max_depth=_MAX_DEPTH, probe=True)
+            scan = scan_dicom(data, max_elements=_PROBE_ELEMENTS, max_depth=MAX_DEPTH, probe=True)
             if scan.deflated or scan.rows is None or scan.cols is None:
                 return UNKNOWN_NBYTES
             px = scan.rows * scan.cols * max(1, scan.frames) * max(1, scan.spp)
@@ -570,591 +611,6 @@ def decoded_nbytes(data: bytes) -> int:
         return len(data)  # anything else is refused from its magic bytes, cheaply
     except Exception:  # noqa: BLE001 - a probe never fails: in doubt, off the loop
         return UNKNOWN_NBYTES
-
-
-# --------------------------------------------------------------------------- DICOM pre-scan
-
-_MAX_DEPTH = 16  # sequences nested deeper than this are refused (functional groups nest 3–4 deep)
-_LONG_VRS = {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
-_ALL_VRS = _LONG_VRS | {b"AE", b"AS", b"AT", b"CS", b"DA", b"DS", b"DT", b"FD", b"FL", b"IS", b"LO", b"LT",
-                        b"PN", b"SH", b"SL", b"SS", b"ST", b"TM", b"UI", b"UL", b"US"}
-_UNDEFINED = 0xFFFFFFFF
-_ITEM, _ITEM_END, _SEQ_END = 0xFFFEE000, 0xFFFEE00D, 0xFFFEE0DD
-_HEADER_TAGS = {0x00280010: "rows", 0x00280011: "cols", 0x00280008: "frames", 0x00280002: "spp",
-                0x00280100: "bits"}
-
-
-class _Limit(Exception):
-    """The pre-scan hit a bound: `what` is 'elements' or 'depth'."""
-
-    def __init__(self, what: str):
-        super().__init__(what)
-        self.what = what
-
-
-@dataclass
-class _Scan:
-    ts: str | None = None
-    deflated: bool = False
-    body: int = 0  # offset of the data set after the file meta
-    ts_value: tuple[int, int] | None = None  # (offset, length) of the transfer syntax UID's value
-    group_length: int | None = None  # offset of the (0002,0000) value
-    rows: int | None = None
-    cols: int | None = None
-    frames: int = 1
-    spp: int = 1
-    bits: int | None = None
-    elements: int = 0
-    depth: int = 0
-    confused: bool = False  # the walk met bytes it could not parse and stopped (pydicom may still read them)
-    pixels: tuple[int, int] | None = None  # native pixel data: (bytes in the file, bytes its length declares)
-    pixels_cut: bool = False  # encapsulated pixel data that ends before its sequence delimiter
-    cut_at: int | None = None  # offset of a top-level element whose header or value runs past the end of the file
-
-
-def _scan_dicom(data: bytes, *, max_elements: int, max_depth: int, probe: bool = False) -> _Scan:
-    """Walk the element headers of a DICOM file without decoding any value: the transfer syntax and
-    image size, and the number of elements and depth of sequences, raising _Limit past a bound."""
-    st = _Scan()
-    pos = 132 if data[128:132] == b"DICM" else 0
-    end = len(data)
-    # File meta (group 0002): always explicit VR little endian.
-    while pos + 8 <= end and data[pos:pos + 2] == b"\x02\x00":
-        elem = int.from_bytes(data[pos + 2:pos + 4], "little")
-        vr = data[pos + 4:pos + 6]
-        if vr in _LONG_VRS:
-            length, hdr = int.from_bytes(data[pos + 8:pos + 12], "little"), 12
-        elif vr in _ALL_VRS:
-            length, hdr = int.from_bytes(data[pos + 6:pos + 8], "little"), 8
-        else:
-            break  # implicit VR meta (non-conformant): leave it to pydicom
-        if length == _UNDEFINED or pos + hdr + length > end:
-            break
-        if elem == 0x0000 and length == 4:
-            st.group_length = pos + hdr
-        elif elem == 0x0010:
-            st.ts_value = (pos + hdr, length)
-            st.ts = data[pos + hdr:pos + hdr + length].decode("ascii", "replace").strip("\x00 ")
-        pos += hdr + length
-        st.elements += 1
-    st.body = pos
-    if st.group_length is not None and not probe and pos < st.group_length + 4 + int.from_bytes(
-            data[st.group_length:st.group_length + 4], "little") and pos + 8 > end:
-        st.cut_at = pos  # the file ends inside its file meta group, whose length it declares
-    if st.ts == DeflatedExplicitVRLittleEndian:
-        st.deflated = True
-        return st
-    little = st.ts != ExplicitVRBigEndian
-    explicit = _explicit_here(data, pos, st.ts != ImplicitVRLittleEndian if st.ts else True)
-    try:
-        stop = _walk(data, pos, end, explicit, little, 0, st, max_elements, max_depth, probe)
-        if st.cut_at is None and not st.confused and not probe and 0 < end - stop < 8:
-            st.cut_at = stop  # the file ends inside an element's header
-    except (IndexError, struct.error):  # a header read past the end of the data: the file is cut short
-        st.confused = True
-        if st.cut_at is None and not probe:
-            st.cut_at = end
-    except ValueError:
-        st.confused = True
-    return st
-
-
-def truncation(st: _Scan, size: int, header: int) -> str | None:
-    """What a walk found cut short, as the 422's reason: the pixel data, or (when the walk met no pixel data
-    at all) an element before it. None for a complete file, or one cut only after its pixel data (trailing
-    padding), which still holds its whole image."""
-    if st.pixels is not None and st.pixels[0] < st.pixels[1]:
-        return f"its pixel data holds {st.pixels[0]:,} of {st.pixels[1]:,} bytes"
-    if st.pixels_cut:
-        return "its compressed pixel data ends inside a fragment, before the end of its fragment sequence"
-    if st.pixels is None and st.cut_at is not None:
-        return f"it ends inside a data element ({size:,} bytes in all), before any pixel data"
-    if st.pixels is None and st.elements == 0 and not st.confused and size <= header + 8:
-        return f"it ends after {size:,} bytes, before its first data element"
-    return None
-
-
-# (uint16, uint32) unpackers per byte order, built once: the walk recurses per sequence item
-_STRUCTS = {o: (struct.Struct(o + "H"), struct.Struct(o + "I")) for o in "<>"}
-
-
-def _walk(data: bytes, pos: int, end: int, explicit: bool, little: bool, depth: int, st: _Scan,
-          max_elements: int, max_depth: int, probe: bool, open_item: bool = False) -> int:
-    """Walk elements from `pos` up to `end` or an item delimiter; returns the offset after them. `open_item`:
-    the elements of an undefined-length item, which must end with its delimiter (else the file is cut)."""
-    order = "<" if little else ">"
-    u16, u32 = _STRUCTS[order]
-    while pos + 8 <= end:
-        group, elem = u16.unpack_from(data, pos)[0], u16.unpack_from(data, pos + 2)[0]
-        tag = group << 16 | elem
-        if tag == _ITEM_END:
-            return pos + 8
-        if tag in (_ITEM, _SEQ_END):  # stray delimiters: pydicom stops here too
-            st.confused = True
-            return end
-        st.elements += 1
-        if st.elements > max_elements:
-            raise _Limit("elements")
-        implicit_here = not explicit
-        if explicit:
-            vr = data[pos + 4:pos + 6]
-            if vr in _LONG_VRS:
-                length, pos = u32.unpack_from(data, pos + 8)[0], pos + 12
-            elif vr in _ALL_VRS:
-                length, pos = u16.unpack_from(data, pos + 6)[0], pos + 8
-            else:
-                st.confused = True
-                return end
-            is_sq = vr == b"SQ" or (vr == b"UN" and length == _UNDEFINED)
-            implicit_here = vr == b"UN"  # an undefined-length UN holds an implicit VR LE sequence
-        else:
-            length, pos = u32.unpack_from(data, pos + 4)[0], pos + 8
-            is_sq = length == _UNDEFINED or _dictionary_vr(tag) == "SQ"
-        if depth == 0 and tag in _HEADER_TAGS and length != _UNDEFINED and length <= 16:
-            _record(st, tag, data[pos:pos + length], explicit and not implicit_here, order)
-        if tag == 0x7FE00010 and depth == 0:
-            if probe:
-                return end
-            if length == _UNDEFINED:  # encapsulated: skip its items (checked after pydicom reads them)
-                pos, complete = _skip_items(data, pos, end, u32, u16)
-                st.pixels_cut = st.pixels_cut or not complete
-                st.pixels = st.pixels or (0, 0)
-                continue
-            st.pixels = (max(0, min(length, end - pos)), length)
-            is_sq = False
-        if st.cut_at is None and length != _UNDEFINED and pos + length > len(data):
-            st.cut_at = pos  # the file ends inside this element's value
-        if is_sq and tag != 0x7FE00010:
-            if depth + 1 > max_depth:
-                raise _Limit("depth")
-            st.depth = max(st.depth, depth + 1)
-            stop = end if length == _UNDEFINED else min(end, pos + length)
-            sub_explicit = explicit and not implicit_here
-            sub_little = little and not implicit_here or implicit_here
-            pos = _walk_items(data, pos, stop, sub_explicit, sub_little, depth + 1, st, max_elements,
-                              max_depth, probe, open_seq=length == _UNDEFINED)
-            continue
-        if length == _UNDEFINED:
-            st.confused = True
-            return end
-        pos += length
-    if open_item and end >= len(data) and st.cut_at is None and not probe:
-        st.cut_at = pos  # the file ends before the item's delimiter
-    return pos
-
-
-def _walk_items(data: bytes, pos: int, stop: int, explicit: bool, little: bool, depth: int, st: _Scan,
-                max_elements: int, max_depth: int, probe: bool, open_seq: bool = False) -> int:
-    """Walk a sequence's items up to `stop` or its delimiter; `open_seq`: an undefined-length sequence, which
-    must end with its delimiter (else the file is cut)."""
-    order = "<" if little else ">"
-    u16, u32 = _STRUCTS[order]
-    while pos + 8 <= stop:
-        tag = u16.unpack_from(data, pos)[0] << 16 | u16.unpack_from(data, pos + 2)[0]
-        length = u32.unpack_from(data, pos + 4)[0]
-        pos += 8
-        if tag == _SEQ_END:
-            return pos
-        if tag != _ITEM:
-            st.confused = True
-            return len(data)
-        st.elements += 1
-        if st.elements > max_elements:
-            raise _Limit("elements")
-        item_explicit = _explicit_here(data, pos, explicit)
-        if length == _UNDEFINED:
-            pos = _walk(data, pos, len(data), item_explicit, little, depth, st, max_elements, max_depth, probe,
-                        open_item=True)
-        else:
-            if st.cut_at is None and pos + length > len(data):
-                st.cut_at = pos  # the file ends inside this item
-            _walk(data, pos, min(stop, pos + length), item_explicit, little, depth, st, max_elements, max_depth,
-                  probe)
-            pos += length
-    if open_seq and stop >= len(data) and st.cut_at is None and not probe:
-        st.cut_at = pos  # the file ends before the sequence's delimiter
-    return pos
-
-
-def _explicit_here(data: bytes, pos: int, default: bool) -> bool:
-    """Whether the data set at `pos` is explicit VR, from its first element, as pydicom decides (it
-    reads a file whose transfer syntax says one and whose bytes say the other by its bytes)."""
-    if pos + 6 > len(data) or data[pos:pos + 4] in (b"\xfe\xff\x0d\xe0", b"\xff\xfe\xe0\x0d"):
-        return default
-    return data[pos + 4:pos + 6] in _ALL_VRS
-
-
-def _skip_items(data: bytes, pos: int, end: int, u32: struct.Struct, u16: struct.Struct) -> tuple[int, bool]:
-    """The offset after an encapsulated pixel data's items, and False when the file ends before their
-    sequence delimiter (inside a fragment, or between them: a truncated file)."""
-    while pos + 8 <= end:
-        tag = u16.unpack_from(data, pos)[0] << 16 | u16.unpack_from(data, pos + 2)[0]
-        length = u32.unpack_from(data, pos + 4)[0]
-        if tag == _SEQ_END:
-            return pos + 8, True
-        if tag != _ITEM or length == _UNDEFINED:
-            return end, True  # not items: left to pydicom and the fragment checks
-        pos += 8 + length
-    return end, False
-
-
-def _record(st: _Scan, tag: int, raw: bytes, explicit: bool, order: str) -> None:
-    name = _HEADER_TAGS[tag]
-    try:
-        if tag == 0x00280008:  # IS: a decimal string
-            st.frames = int(raw.decode("ascii").strip("\x00 ") or 1)
-        elif len(raw) >= 2:
-            setattr(st, name, struct.unpack_from(order + "H", raw)[0])
-    except (ValueError, UnicodeDecodeError, struct.error):
-        pass
-
-
-_VR_CACHE: dict[int, str | None] = {}
-
-
-def _dictionary_vr(tag: int) -> str | None:
-    if tag not in _VR_CACHE:
-        try:
-            _VR_CACHE[tag] = pydicom.datadict.dictionary_VR(tag)
-        except KeyError:
-            _VR_CACHE[tag] = None
-    return _VR_CACHE[tag]
-
-
-def _prescan(data: bytes, max_elements: int) -> _Scan:
-    """The bounded walk before pydicom parses anything: too many elements is 413, too deep 422."""
-    try:
-        return _scan_dicom(data, max_elements=max_elements, max_depth=_MAX_DEPTH)
-    except _Limit as exc:
-        if exc.what == "depth":
-            raise UnprocessableImage(f"the DICOM file nests sequences more than {_MAX_DEPTH} deep, which no image "
-                                     "object needs: export it again from the PACS or modality and resend it") from None
-        raise PayloadTooLarge(f"the DICOM file holds more than {max_elements:,} data elements: send a single "
-                              "image object without large attached sequences") from None
-
-
-def _inflate(data: bytes, scan: _Scan, limit: int) -> bytes:
-    """A deflated file as the same file in Explicit VR Little Endian, inflated with a cap on its output."""
-    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
-    body, tail = bytearray(), memoryview(data)[scan.body:]
-    try:  # 1 MiB at a time: zlib's own output buffer for one big call peaks at twice its output
-        while not inflater.eof and len(body) <= limit:
-            chunk = inflater.decompress(tail, 1 << 20)
-            tail = memoryview(inflater.unconsumed_tail)
-            if not chunk and not tail:
-                break
-            body += chunk
-    except zlib.error:
-        raise UnprocessableImage("the deflated DICOM file is truncated or corrupt: export it again, "
-                                 "preferably uncompressed, and resend it") from None
-    if len(body) > limit:
-        raise PayloadTooLarge(f"the deflated DICOM file expands to more than {limit / 2**20:.0f} MiB: send it "
-                              "uncompressed or with an image compression such as JPEG 2000")
-    if scan.ts_value is None:
-        raise UnprocessableImage("the DICOM file's header is corrupt: export it again and resend it")
-    start, length = scan.ts_value
-    new_ts = str(ExplicitVRLittleEndian).encode() + b"\x00"  # 20 bytes, even
-    head = bytearray(data[:start - 2] + len(new_ts).to_bytes(2, "little") + new_ts + data[start + length:scan.body])
-    if scan.group_length is not None:
-        old = int.from_bytes(head[scan.group_length:scan.group_length + 4], "little")
-        head[scan.group_length:scan.group_length + 4] = (old + len(new_ts) - length).to_bytes(4, "little")
-    return bytes(head) + body
-
-
-# --------------------------------------------------------------------------- encapsulated frames
-
-_SOF_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF, 0xF7}
-
-
-def _jpeg_sof(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int] | None:
-    """(height, width, components) from the SOF (or JPEG-LS SOF55) segment of a JPEG starting at `pos`."""
-    pos += 2  # SOI
-    while pos + 4 <= end:
-        if buf[pos] != 0xFF:
-            return None
-        marker = buf[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in (0x01,) or 0xD0 <= marker <= 0xD7:
-            pos += 2
-            continue
-        length = buf[pos + 2] << 8 | buf[pos + 3]
-        if marker in _SOF_MARKERS and pos + 10 <= end:
-            h = buf[pos + 5] << 8 | buf[pos + 6]
-            w = buf[pos + 7] << 8 | buf[pos + 8]
-            return h, w, buf[pos + 9]
-        if marker == 0xDA or length < 2:  # start of scan before any SOF
-            return None
-        pos += 2 + length
-    return None
-
-
-def _j2k_siz(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int] | None:
-    """(height, width, components) from the SIZ segment of a JPEG 2000 codestream or JP2 file."""
-    if bytes(buf[pos:pos + 12]) == b"\x00\x00\x00\x0cjP  \r\n\x87\n":  # JP2: find the codestream box
-        i = bytes(buf[pos:min(end, pos + 4096)]).find(b"jp2c")
-        if i < 0:
-            return None
-        pos += i + 4
-    if bytes(buf[pos:pos + 4]) != b"\xff\x4f\xff\x51" or pos + 42 > end:
-        return None
-    xs, ys, xo, yo = struct.unpack_from(">IIII", buf, pos + 8)
-    comps = struct.unpack_from(">H", buf, pos + 40)[0]
-    return ys - yo, xs - xo, comps
-
-
-def _check_encapsulated(pixel_data: bytes, tsyntax: UID, n_frames: int, rows: int, cols: int, spp: int,
-                        max_fragments: int) -> None:
-    """Before any frame is decoded: as many frames as the header declares, none larger than its size."""
-    buf = memoryview(pixel_data)
-    end, pos = len(buf), 0
-    fragments: list[tuple[int, int]] = []
-    first = True
-    while pos + 8 <= end:
-        tag, length = struct.unpack_from("<HH", buf, pos), struct.unpack_from("<I", buf, pos + 4)[0]
-        if tag == (0xFFFE, 0xE0DD):
-            break
-        if tag != (0xFFFE, 0xE000) or length == _UNDEFINED:
-            return  # malformed: pydicom's own parser refuses it
-        if not first:  # the first item is the basic offset table
-            fragments.append((pos + 8, min(end, pos + 8 + length)))
-            if len(fragments) > max_fragments:
-                raise UnprocessableImage(f"the DICOM pixel data is split into more than {max_fragments:,} "
-                                         "fragments: export it again from the PACS or modality and resend it")
-        first = False
-        pos += 8 + length
-    mismatch = UnprocessableImage("the DICOM file's encoded frames do not agree with its header (frame count "
-                                  "or image size): export it again from the PACS or modality and resend it")
-    if tsyntax == RLELossless:
-        if len(fragments) > n_frames:  # RLE: exactly one fragment per frame
-            raise mismatch
-        return
-    starts = 0
-    for a, b in fragments:
-        head = bytes(buf[a:a + 4])
-        if head[:2] == b"\xff\xd8":
-            size = _jpeg_sof(buf, a, b)
-        elif head == b"\xff\x4f\xff\x51" or head == b"\x00\x00\x00\x0c":
-            size = _j2k_siz(buf, a, b)
-        else:
-            continue  # a later fragment of a frame split across fragments
-        starts += 1
-        if starts > n_frames:
-            raise mismatch
-        if size is not None:
-            h, w, comps = size
-            if h > rows or w > cols or h < 0 or w < 0 or comps > max(spp, 1) + 1:
-                raise mismatch
-
-
-# --------------------------------------------------------------------------- RLE, bounded
-
-# This module is also a pydicom decoding plugin: bounded RLE, and 12-bit JPEG Extended through pylibjpeg-libjpeg.
-DECODER_DEPENDENCIES = {RLELossless: (), JPEGExtended12Bit: ("pylibjpeg>=2.0", "pylibjpeg-libjpeg>=2.1")}
-
-
-def is_available(uid: str) -> bool:
-    if uid == JPEGExtended12Bit:
-        from pydicom.pixels.decoders import pylibjpeg
-
-        return pylibjpeg.is_available(uid)
-    return uid == RLELossless
-
-
-_rle_state = threading.local()  # too_long: this thread's last RLE decode stopped at the frame's size
-
-
-def _rle_segment(src: bytes, limit: int) -> bytearray:
-    """One RLE segment, decoding at most `limit` + 1 bytes (PackBits; a trailing pad byte is allowed)."""
-    out = bytearray()
-    extend, pos, n = out.extend, 0, len(src)
-    while pos < n:
-        header = src[pos] + 1
-        pos += 1
-        if header > 129:
-            extend(src[pos:pos + 1] * (258 - header))
-            pos += 1
-        elif header < 129:
-            extend(src[pos:pos + header])
-            pos += header
-        if len(out) > limit + 1:
-            _rle_state.too_long = True
-            raise ValueError("RLE segment longer than the frame")
-    return out
-
-
-def _rle_decode_frame(src: bytes, runner: Any) -> bytearray:
-    """pydicom decoding plugin: its RLE decoder with each segment's output capped at rows × columns."""
-    rows, cols, spp, bits = runner.rows, runner.columns, runner.samples_per_pixel, runner.bits_allocated
-    order = runner.get_option("rle_segment_order", ">")
-    if bits % 8:
-        raise NotImplementedError("RLE with bits allocated not a multiple of 8")
-    n_seg, bps = struct.unpack_from("<I", src, 0)[0], bits // 8
-    offsets = list(struct.unpack_from("<15I", src, 4))[:n_seg]
-    if n_seg != spp * bps:
-        raise ValueError("wrong number of RLE segments")
-    offsets.append(len(src))
-    plane = rows * cols
-    decoded = bytearray(plane * spp * bps)
-    stride = bps * plane
-    for sample in range(spp):
-        for byte in (range(bps) if order == "<" else reversed(range(bps))):
-            ii = sample * bps + byte
-            segment = _rle_segment(src[offsets[ii]:offsets[ii + 1]], plane)
-            if len(segment) < plane:
-                raise ValueError("RLE segment shorter than the frame")
-            if order == ">":
-                byte = bps - byte - 1
-            start = byte + sample * stride
-            decoded[start:start + stride:bps] = segment[:plane]
-    runner.set_option("planar_configuration", 1)
-    return decoded
-
-
-# --------------------------------------------------------------------------- 12-bit JPEG Extended
-
-_jpeg12_state = threading.local()  # cut: this thread's last 12-bit JPEG frame ended before its EOI marker
-_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")  # after entropy-coded data: not stuffing, RSTn or fill
-_SEQUENTIAL_DCT = (0xC0, 0xC1)  # SOF0/SOF1: baseline and extended sequential, Huffman (what 1.2.4.50/51 allow)
-
-
-def _is_jpeg12(tsyntax: UID, ds: pydicom.Dataset) -> bool:
-    """A JPEG Extended file with 12-bit samples: Pillow refuses those, pylibjpeg-libjpeg reads them through the
-    plugin below (8-bit ones keep Pillow, as JPEG Baseline does)."""
-    return tsyntax == JPEGExtended12Bit and (_safe_int(ds.get("BitsStored")) or 8) > 8
-
-
-def _sequential_scan_fixes(src: bytes | bytearray) -> list[int]:
-    """Offsets of the Se bytes to set to 63 in `src`, a JPEG frame: the scan headers of a sequential DCT frame
-    whose Ss, Se and Ah/Al are all zero. Old encoders wrote that (pydicom's JPEG-lossy.dcm is one); IJG's code
-    (dcmtk's, and libjpeg-turbo's under Pillow) decodes all 64 coefficients of a sequential scan whatever its
-    header says (jdhuff.c: "some baseline files out there with all zeroes in these bytes"), with a warning, but
-    libjpeg refuses the frame. A walk over the marker segments, at most 4 scans (one per component) and 1000
-    segments."""
-    fixes: list[int] = []
-    pos, end, sequential, scans, segments = 2, len(src), False, 0, 0
-    while pos + 5 <= end and scans < 4 and segments < 1000:
-        if src[pos] != 0xFF:
-            return fixes  # not a marker where one must be: libjpeg says what is wrong
-        marker = src[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker == 0xD9:  # EOI
-            break
-        segments += 1
-        length = src[pos + 2] << 8 | src[pos + 3]
-        if marker in _SEQUENTIAL_DCT:
-            sequential = True
-        elif marker == 0xDA:
-            scans += 1
-            params = pos + 5 + 2 * src[pos + 4]  # after Ns and its component selectors
-            if sequential and length == params - pos + 1 and src[params:params + 3] == b"\x00\x00\x00":
-                fixes.append(params + 1)
-            found = _JPEG_MARKER.search(src, pos + 2 + length)  # the marker after this scan's entropy-coded data
-            if found is None:
-                break
-            pos = found.start()
-            continue
-        pos += 2 + length
-    return fixes
-
-
-def _jpeg12_decode_frame(src: bytes, runner: Any) -> bytes | bytearray:
-    """pydicom decoding plugin for 12-bit JPEG Extended: pydicom's pylibjpeg-libjpeg plugin, given only whole
-    frames, with an all-zero sequential scan header read as IJG reads it."""
-    from pydicom.pixels.decoders.pylibjpeg import _decode_frame
-
-    tail = bytes(src[-64:])
-    eoi = tail.rfind(b"\xff\xd9")
-    if eoi < 0 or tail[eoi + 2:].strip(b"\x00\xff"):  # a frame is padded to an even length (JPEG-lossy.dcm: 0xFF)
-        _jpeg12_state.cut = True
-        raise ValueError("JPEG frame without its end-of-image marker")
-    fixes = _sequential_scan_fixes(src)
-    if fixes:  # one copy of the compressed frame (libjpeg takes bytes only)
-        view, parts, last = memoryview(src), [], 0
-        for at in fixes:
-            parts += [view[last:at], b"\x3f"]
-            last = at + 1
-        src = b"".join([*parts, view[last:]])
-    return _decode_frame(src, runner)
-
-
-# --------------------------------------------------------------------------- segmented palettes
-
-
-def _expand_segmented(words: tuple[int, ...], limit: int, *, nr_segments: int | None = None,
-                      last: int | None = None, depth: int = 0, budget: list[int] | None = None) -> list[int]:
-    """pydicom's segmented LUT expansion (PS3.3 C.7.9.2) with its output capped at `limit` entries,
-    indirect segments nested at most two deep and at most 200 000 segments read in all (indirect
-    ones re-read earlier segments); ValueError past any of them."""
-    budget = [200_000] if budget is None else budget
-    lut: list[int] = []
-    offset = segments = 0
-    while offset + 1 < len(words):
-        opcode, length = words[offset], words[offset + 1]
-        offset += 2
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise ValueError("too many segments")
-        if len(lut) + (length if opcode in (0, 1) else 0) > limit:
-            raise ValueError("segmented LUT longer than its descriptor")
-        if opcode == 0:
-            lut.extend(words[offset:offset + length])
-            offset += length
-        elif opcode == 1:
-            y0 = lut[-1] if lut else last
-            if y0 is None:
-                raise ValueError("linear segment first")
-            y1 = words[offset]
-            offset += 1
-            if y0 == y1:
-                lut.extend([y1] * length)
-            else:
-                step = (y1 - y0) / length
-                lut.extend(int(v) for v in np.around(np.linspace(y0 + step, y1, length)))
-        elif opcode == 2:
-            if not lut or depth >= 2:
-                raise ValueError("indirect segment first or nested too deep")
-            byte_offset = words[offset + 1] << 16 | words[offset]  # as pydicom reads 16-bit entries
-            offset += 2
-            lut.extend(_expand_segmented(words[byte_offset:], limit - len(lut), nr_segments=length,
-                                         last=lut[-1], depth=depth + 1, budget=budget))
-        else:
-            raise ValueError("unknown segment type")
-        segments += 1
-        if segments == nr_segments:
-            break
-    return lut
-
-
-def _expand_segmented_palettes(ds: pydicom.Dataset, little_endian: bool) -> None:
-    """Replace segmented palette LUT data by plain LUT data, expanded with a bound, in native byte order."""
-    if "SegmentedRedPaletteColorLookupTableData" not in ds:
-        return
-    desc = ds.RedPaletteColorLookupTableDescriptor
-    entries, bits = int(desc[0]) or 65536, int(desc[2])
-    fmt = ("<" if little_endian else ">") + ("B" if bits == 8 else "H")
-    dtype = np.uint8 if bits == 8 else np.uint16
-    for colour in ("Red", "Green", "Blue", "Alpha"):
-        keyword = f"Segmented{colour}PaletteColorLookupTableData"
-        if keyword not in ds:
-            continue
-        raw = bytes(ds[keyword].value)
-        size = struct.calcsize(fmt[1])
-        words = struct.unpack(f"{fmt[0]}{len(raw) // size}{fmt[1]}", raw[:len(raw) // size * size])
-        try:
-            lut = _expand_segmented(words, 65536)
-        except (ValueError, IndexError, RecursionError):
-            raise UnprocessableImage("the DICOM file's segmented palette colour table is malformed or expands "
-                                     "beyond its declared length: export the image as RGB and resend it") from None
-        if not lut:
-            raise UnprocessableImage("the DICOM file's segmented palette colour table is empty: export the "
-                                     "image as RGB and resend it")
-        lut = (lut + [lut[-1]] * entries)[:entries]
-        del ds[keyword]  # pydicom reads plain LUT data in the machine's byte order
-        setattr(ds, f"{colour}PaletteColorLookupTableData", np.asarray(lut, dtype=dtype).tobytes())
 
 
 # --------------------------------------------------------------------------- helpers
@@ -1196,22 +652,3 @@ def _safe_code(value: Any) -> str | None:
     """A short code string such as a Modality ('CT'), or None when it is anything else."""
     text = str(value or "").strip()
     return text if re.fullmatch(r"[A-Z0-9_]{1,16}", text) else None
-
-
-def _safe_int(value: Any) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
-
-
-# The bounded RLE decoder and the 12-bit JPEG one above, as pydicom plugins named "tafl". The JPEG one comes after
-# Pillow and pydicom's own pylibjpeg plugin for a caller that names none (pydicom tries them in that order).
-from pydicom.pixels.decoders import JPEGExtended12BitDecoder, RLELosslessDecoder
-
-for _decoder, _function in ((RLELosslessDecoder, "_rle_decode_frame"),
-                            (JPEGExtended12BitDecoder, "_jpeg12_decode_frame")):
-    try:
-        _decoder.add_plugin("tafl", (__name__, _function))
-    except ValueError:  # added already (this module imported again, as importlib.reload does)
-        pass

@@ -66,9 +66,11 @@ class Algorithm:
     class_codes: list[dict[str, str]] = field(default_factory=list)  # one per class: value, scheme, meaning
 
     @classmethod
-    def from_metadata(cls, meta: dict[str, Any], checksum: str) -> Algorithm:
-        return cls(meta["name"], meta["version"], checksum, list(meta["class_names"]),
-                   class_codes(meta))
+    def from_metadata(cls, meta: Any, checksum: str) -> Algorithm:
+        """From a package's metadata (tafl.packaging.metadata.PackageMetadata, read by its attributes: this leaf
+        imports nothing of packaging) and the checksum of its model.onnx."""
+        return cls(meta.name, meta.version, checksum, list(meta.class_names),
+                   class_codes(meta.class_names, meta.class_codes))
 
 
 @dataclass
@@ -88,10 +90,11 @@ class Finding:
         return cls(int(result["label"]), float(result["probability"]), experts, frame)
 
 
-def class_codes(meta: dict[str, Any]) -> list[dict[str, str]]:
-    """The code of each class: from metadata `class_codes` where it gives one, else the local scheme."""
-    names = list(meta["class_names"])
-    given = meta.get("class_codes") or {}
+def class_codes(class_names: Any, given: Any = None) -> list[dict[str, str]]:
+    """The code of each of `class_names`: from `given` (a package's metadata `class_codes`: a mapping from class name,
+    or a list in class order) where it gives one, else the local scheme."""
+    names = list(class_names)
+    given = given or {}
     if isinstance(given, list):
         given = {n: c for n, c in zip(names, given) if c}
     out = []
@@ -223,8 +226,9 @@ def structured_report(source, finding: Finding, algo: Algorithm, heatmap_sc=None
             uid=_uid(algo.checksum, "device"), name=f"{algo.name} {algo.version}"[:64], manufacturer_name=MANUFACTURER,
             model_name=algo.name[:64], serial_number=algo.checksum[:16]))
     evaluations = []  # the predicted class is the group's Finding (121071, TID 1501's finding type)
-    measurements = [Measurement(name=_local("probability", "Probability of the finding"), value=float(finding.probability),
-                                unit=CodedConcept("1", "UCUM", "no units"), algorithm_id=algo_id)]
+    measurements = [Measurement(name=_local("probability", "Probability of the finding"),
+                                value=float(finding.probability), unit=CodedConcept("1", "UCUM", "no units"),
+                                algorithm_id=algo_id)]
     for name, lab, prob in finding.experts:
         evaluations.append(QualitativeEvaluation(_local(f"expert-vote:{name}"[:16], f"Expert vote: {name}"),
                                                  codes_[lab]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tafl.packaging.metadata import PackageMetadata, PriorSpec
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, site_rows, summary_markdown
 from tafl.privacy_text import privacy_lines
 
@@ -18,14 +19,14 @@ def _pct(v: Any) -> str:
     return "—" if v is None else f"{100 * v:.1f}%"
 
 
-def _codes_line(m: dict[str, Any]) -> str:
+def _codes_line(m: PackageMetadata) -> str:
     """How DICOM structured reports code each class (tafl.imaging.dicom_sr.class_codes)."""
     from tafl.imaging.dicom_sr import LOCAL_SCHEME, class_codes
 
-    codes = class_codes(m)
-    given = [f"{n}: {c['scheme']} {c['value']} ({c['meaning']})" for n, c in zip(m["class_names"], codes)
+    codes = class_codes(m.class_names, m.class_codes)
+    given = [f"{n}: {c['scheme']} {c['value']} ({c['meaning']})" for n, c in zip(m.class_names, codes)
              if c["scheme"] != LOCAL_SCHEME]
-    local = [n for n, c in zip(m["class_names"], codes) if c["scheme"] == LOCAL_SCHEME]
+    local = [n for n, c in zip(m.class_names, codes) if c["scheme"] == LOCAL_SCHEME]
     text = "DICOM SR codes (format=sr, `tafl dicom-listen`): "
     if given:
         text += "; ".join(given) + (". " if local else ".")
@@ -36,62 +37,66 @@ def _codes_line(m: dict[str, Any]) -> str:
     return text
 
 
-def _prior_line(pr: dict[str, Any]) -> str:
+def _prior_line(pr: PriorSpec) -> str:
     """How the package decides for another class mix: its calibration, and how `prior=adaptive` estimates the mix."""
     from tafl.prior import PriorEstimator
 
-    est = pr.get("estimator") or {}
-    how = PriorEstimator.from_dict(est).describe()
-    if est.get("chosen") == "validation":
-        how += f" (the smoothing chosen on {est.get('validation_images', '?')} validation images)"
-    check = pr.get("adaptive_check") or {}
-    text = (f"Posteriors: {pr.get('posteriors')}, calibration **{pr.get('calibration')}**. An explicit prior decides "
+    est = pr.estimator
+    how = PriorEstimator.from_dict(est.to_json() or {}).describe()
+    if est.chosen == "validation":
+        images = est.validation_images
+        how += f" (the smoothing chosen on {'?' if images is None else images} validation images)"
+    text = (f"Posteriors: {pr.posteriors}, calibration **{pr.calibration}**. An explicit prior decides "
             f"by the Bayes rule; `prior=adaptive` estimates the served mix by {how}.")
-    if check and not check.get("recommended", True):
+    if pr.adaptive_check and not pr.adaptive_check.recommended:
         text += (" On this model's validation split adapting lost to its own decision, so `prior=adaptive` keeps the "
                  "source prior.")
     return text
 
 
-def render_card(m: dict[str, Any]) -> str:
-    cfg = m["training"]["run_config"]
-    lines = [f"# {m['name']} {m['version']}", ""] + summary_markdown(m) + ["", "## About this model", "",
-             f"{m['task'].capitalize()} by **{m['method']}** on a **{m['backbone']}** backbone, exported "
-             f"{m['created']} by tafl {m.get('tafl_version', '?')}.", ""]
-    if m.get("parent_version"):
-        lines += [f"Retrained from {m['parent'].get('name') if m.get('parent') else m['name']} "
-                  f"{m['parent_version']}.", ""]
-    lines += ["## Intended use", "", m["intended_use"], "", "## Classes", "",
+def render_card(m: PackageMetadata) -> str:
+    lines = [f"# {m.name} {m.version}", ""] + summary_markdown(m) + ["", "## About this model", "",
+             f"{m.task.capitalize()} by **{m.method}** on a **{m.backbone}** backbone, exported "
+             f"{m.created} by tafl {m.tafl_version or '?'}.", ""]
+    if m.parent_version:
+        lines += [f"Retrained from {m.parent.name if m.parent else m.name} {m.parent_version}.", ""]
+    lines += ["## Intended use", "", m.intended_use, "", "## Classes", "",
               "| index | class | training images |", "|---|---|---|"]
-    counts = m["training"].get("train_class_counts") or [None] * len(m["class_names"])
-    for i, (c, n) in enumerate(zip(m["class_names"], counts)):
+    counts = m.training.train_class_counts or [None] * len(m.class_names)
+    for i, (c, n) in enumerate(zip(m.class_names, counts)):
         lines.append(f"| {i} | {c} | {n if n is not None else '—'} |")
     lines += ["", _codes_line(m)]
-    pre = m["input"]["preprocess"]
-    lines += ["", "## Input", "", f"`{m['input']['name']}`: float32 {m['input']['shape']}; "
-              f"{m['input']['preprocessing']} (size {pre['size']}, {pre['channels']} channel(s), mean "
-              f"{[round(v, 4) for v in pre['mean']]}, std {[round(v, 4) for v in pre['std']]}).", "",
+    inp = m.input
+    pre = inp.preprocess
+    lines += ["", "## Input", "", f"`{inp.name}`: float32 {list(inp.shape)}; "
+              f"{inp.preprocessing} (size {pre.size}, {pre.channels} channel(s), mean "
+              f"{[round(v, 4) for v in pre.mean]}, std {[round(v, 4) for v in pre.std]}).", "",
               "## Outputs", "", "| name | shape | type | meaning |", "|---|---|---|---|"]
-    for o in m["outputs"]:
-        lines.append(f"| `{o['name']}` | {o['shape']} | {o['dtype']} | {o['description']} |")
-    if m["experts"]:
+    for o in m.outputs:
+        lines.append(f"| `{o.name}` | {list(o.shape)} | {o.dtype} | {o.description} |")
+    if m.experts:
         lines += ["", "## Experts and vote", "",
-                  "Experts, in output order: " + ", ".join(f"{e['name']} (weight {e['weight']:g})" for e in m["experts"])
-                  + f". Rule: {m['vote']['rule']}; {m['vote']['tie_break']}."]
-    lines += ["", f"Heatmap: {m['heatmap']}."]
-    if m.get("prior"):
-        lines += ["", "## Case mix (`prior=`)", "", _prior_line(m["prior"])]
-    lines += ["", "## Metrics", ""]
-    met = m.get("metrics")
+                  "Experts, in output order: " + ", ".join(f"{e.name} (weight {e.weight:g})" for e in m.experts)
+                  + f". Rule: {m.vote.rule}; {m.vote.tie_break}."]
+    lines += ["", f"Heatmap: {m.heatmap}."]
+    if m.prior:
+        lines += ["", "## Case mix (`prior=`)", "", _prior_line(m.prior)]
+    return "\n".join(lines + _metrics_lines(m) + _provenance_lines(m)) + "\n"
+
+
+def _metrics_lines(m: PackageMetadata) -> list[str]:
+    """The card's metrics: the eleven distributions, under a uniform prior, and per site."""
+    lines = ["", "## Metrics", ""]
+    met = m.metrics
     if met:
-        lines += [f"{met['source']}. Mean over the eleven test distributions: **{_pct(met['average_accuracy'])}**.", "",
+        lines += [f"{met.source}. Mean over the eleven test distributions: **{_pct(met.average_accuracy)}**.", "",
                   "| " + " | ".join(ORDER) + " |", "|" + "---|" * len(ORDER),
-                  "| " + " | ".join(_pct(met["accuracy"].get(k)) for k in ORDER) + " |", "", DISTRIBUTIONS_NOTE]
-        um = met.get("uniform_metrics") or {}
+                  "| " + " | ".join(_pct(met.accuracy.get(k)) for k in ORDER) + " |", "", DISTRIBUTIONS_NOTE]
+        um = met.uniform_metrics
         if um:
-            lines += ["", f"Under a uniform class prior: macro F1 {_pct(um.get('macro_f1'))}, precision "
-                          f"{_pct(um.get('precision'))}, recall {_pct(um.get('recall'))}, specificity "
-                          f"{_pct(um.get('specificity'))}, AUC {_pct(um.get('auc'))}."]
+            lines += ["", f"Under a uniform class prior: macro F1 {_pct(um.macro_f1)}, precision "
+                          f"{_pct(um.precision)}, recall {_pct(um.recall)}, specificity "
+                          f"{_pct(um.specificity)}, AUC {_pct(um.auc)}."]
     else:
         lines.append("Not recorded (no evaluation report beside the checkpoint at export).")
     rows = site_rows(m)
@@ -102,19 +107,24 @@ def render_card(m: dict[str, Any]) -> str:
         lines += [f"| {r['site']} | {r['n_test'] if r['n_test'] is not None else ''} | {_pct(r['own'])} | "
                   f"{_pct(r['own_balanced'])} | {_pct(r['site_mix'])} | {_pct(r['adapted'])} | {_pct(r['oracle'])} |"
                   for r in rows]
-    lines += ["", "## Privacy", ""] + privacy_lines(m.get("privacy"))
-    lines += ["", "## Limitations", ""] + [f"- {x}" for x in m["limitations"]]
-    prov = m["data_provenance"]
+    return lines
+
+
+def _provenance_lines(m: PackageMetadata) -> list[str]:
+    """The card's privacy, limitations, training and provenance, and the export's verification."""
+    cfg, prov = m.training.run, m.data_provenance
+    lines = ["", "## Privacy", ""] + privacy_lines(m.privacy.to_json())
+    lines += ["", "## Limitations", ""] + [f"- {x}" for x in m.limitations]
     lines += ["", "## Training and provenance", "",
-              f"- method {m['method']}, {cfg['clients']} clients, {cfg['frac']:.0%} per round, {cfg['rounds']} rounds, "
-              f"{cfg['local_epochs']} local epochs, seed {cfg['seed']}, model from round {m['training']['round']}",
-              f"- data: {prov.get('source', cfg['dataset'])}; training index sha256 "
-              f"`{prov.get('training_index_sha256', '?')}`"]
-    v = m.get("verification") or {}
+              f"- method {m.method}, {cfg.clients} clients, {cfg.frac:.0%} per round, {cfg.rounds} rounds, "
+              f"{cfg.local_epochs} local epochs, seed {cfg.seed}, model from round {m.training.round}",
+              f"- data: {prov.source if prov.source is not None else cfg.dataset}; training index sha256 "
+              f"`{prov.training_index_sha256 if prov.training_index_sha256 is not None else '?'}`"]
+    v = m.verification
     if v:
-        lines += [f"- verified: {v.get('checker')}; ONNX Runtime {v.get('onnxruntime')} vs PyTorch at batch sizes "
-                  f"{v.get('batch_sizes')}: max |Δprob| {v.get('max_abs_prob_diff', 0):.1e}, max |Δheatmap| "
-                  f"{v.get('max_abs_heatmap_diff', 0):.1e}"]
+        lines += [f"- verified: {v.checker}; ONNX Runtime {v.onnxruntime} vs PyTorch at batch sizes "
+                  f"{v.batch_sizes}: max |Δprob| {v.max_abs_prob_diff:.1e}, max |Δheatmap| "
+                  f"{v.max_abs_heatmap_diff:.1e}"]
     lines += ["", "Files and their sha256 are listed in `SHA256SUMS`; `tafl.packaging.load_package` refuses a "
                   "package whose files do not match."]
-    return "\n".join(lines) + "\n"
+    return lines

@@ -1,4 +1,4 @@
-"""`tafl export`: a training checkpoint becomes a verified ONNX model package (docs/design.md §6).
+"""`tafl export`: a training checkpoint becomes a verified ONNX model package (docs/design.md, "The model package").
 
 Graphs take a normalised float batch `image` (N, C, H, W) with a dynamic batch size; resizing
 and normalising stay outside the graph and are recorded in metadata.json (the shared
@@ -31,7 +31,10 @@ from torch import nn
 import tafl
 from tafl.errors import ConfigError, PackageError
 from tafl.packaging.card import render_card
-from tafl.packaging.package import SCHEMA, ModelPackage, bump_minor, load_package, write_checksums
+from tafl.packaging.metadata import (SCHEMA, AdaptiveCheck, Decision, Estimator, Expert, InputSpec, Metrics,
+                                     OutputSpec, PackageMetadata, Parent, PreprocessSpec, PriorSpec, Privacy,
+                                     Provenance, Training, Verification, Vote)
+from tafl.packaging.package import ModelPackage, bump_minor, load_package, write_checksums
 from tafl.imaging import Preprocess
 from tafl.training.ensemble import ExpertEnsemble, vote_weights
 from tafl.training.explain import maps_to_image, install_taps, rollout_from, vit_grid
@@ -79,7 +82,8 @@ class _PriorAdaptation(nn.Module):
     class for vector scaling; z log-probabilities) for the graph's optional
     input r = `log_prior_ratio` (log q − log π per class; (1, C) for the whole batch or (N, C) per image;
     default zeros). Where a row of r is 0 the outputs are the model's plain ones; where it is not, `label` and
-    `probs` are the Bayes rule for that row's prior q, so the vote and the probabilities a caller reads follow the prior it gave."""
+    `probs` are the Bayes rule for that row's prior q, so the vote and the probabilities a caller reads follow the
+    prior it gave."""
 
     def __init__(self, calibration: dict[str, Any] | None, num_classes: int):
         super().__init__()
@@ -149,14 +153,14 @@ class SingleHeadGraph(nn.Module):
 
 def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's calibration (tafl.prior) with its source prior and the posteriors it applies to; a model
-    fitted without one gets the identity and the prior its plain posteriors describe (docs/decisions.md §2)."""
+    fitted without one gets the identity and the prior its plain posteriors describe (docs/decisions.md, "Prior-aware inference")."""
     from tafl.prior import Calibration
 
-    meta, extras = ck["state"].get("meta", {}), ck["state"].get("extras", {})
+    state_meta, extras = ck["state"].get("meta", {}), ck["state"].get("extras", {})  # the checkpoint's, not a package's
     C = len(ck["class_names"])
-    cal = Calibration.from_dict(meta.get("calibration"), C)
+    cal = Calibration.from_dict(state_meta.get("calibration"), C)
     ensemble = "expert.weight" in extras
-    names = tuple(meta.get("experts") or ("uniform",)) if ensemble else ()
+    names = tuple(state_meta.get("experts") or ("uniform",)) if ensemble else ()
     use = ck["run_config"].get("calib_source", "experts")
     source_expert = names.index("uniform") if ensemble and (use == "uniform" or len(names) == 1) and \
         "uniform" in names else None
@@ -174,23 +178,23 @@ def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any] | None]:
-    """The export module for a checkpoint, its experts and its vote rule."""
+def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, tuple[Expert, ...], Vote | None]:
+    """The export module for a checkpoint, its experts and its vote rule (none for a single head)."""
     calibration = calibration_of(ck)
     mcfg = ModelConfig.from_dict(ck["model_config"])
     model = build_model(mcfg).eval()
     state = ck["state"]
     model.load_state_dict(state["weights"])
-    extras, meta = state.get("extras", {}), state.get("meta", {})
+    extras, state_meta = state.get("extras", {}), state.get("meta", {})
     if "expert.weight" in extras:
-        names = tuple(meta.get("experts") or ("uniform",))
+        names = tuple(state_meta.get("experts") or ("uniform",))
         ens = ExpertEnsemble(model.extractor, extras["expert.weight"], extras["expert.bias"], names,
-                             meta.get("vote", "hard"), vote_weights(meta)).eval()
-        experts = [{"name": n, "weight": float(w)} for n, w in zip(names, ens.vote_weights.tolist())]
+                             state_meta.get("vote", "hard"), vote_weights(state_meta)).eval()
+        experts = tuple(Expert(n, float(w)) for n, w in zip(names, ens.vote_weights.tolist()))
         soft = ens.vote in ("soft", "learned")
-        vote = {"rule": ens.vote, "weights": [e["weight"] for e in experts],
-                "tie_break": "argmax of the weighted mean probability" if soft else
-                f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of {ens.tie_bonus:g} on its vote)"}
+        vote = Vote(ens.vote, tuple(e.weight for e in experts),
+                    "argmax of the weighted mean probability" if soft else
+                    f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of {ens.tie_bonus:g} on its vote)")
         graph: nn.Module = EnsembleGraph(model, ens, mcfg.is_vit, mcfg.img_size, calibration,
                                          calibration["source_expert"])
         graph.prior_spec = calibration
@@ -198,12 +202,12 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]], di
     from tafl.training.decision import check_record
 
     try:
-        offset = check_record(meta.get("decision"), mcfg.num_classes)
+        offset = check_record(state_meta.get("decision"), mcfg.num_classes)
     except ValueError as exc:
         raise PackageError(f"the checkpoint's operating point cannot be exported: {exc}") from None
     graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration, offset)
     graph.prior_spec = calibration
-    return graph.eval(), [], None
+    return graph.eval(), (), None
 
 
 def _sample_images(ck: dict[str, Any], images_dir: str | None, data_root: str | None, n: int = 16) -> np.ndarray:
@@ -328,7 +332,7 @@ def _default_prior_input(onnx_path: Path, num_classes: int) -> None:
     onnx.save(m, str(onnx_path))
 
 
-def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size: int) -> list[dict[str, Any]]:
+def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size: int) -> tuple[OutputSpec, ...]:
     desc = {
         "label": (["batch"], "int64", "the predicted class index (the vote's winner for an ensemble)"),
         "probs": (["batch", num_classes], "float32", "class probabilities (for an ensemble, the mean of the experts')"),
@@ -341,7 +345,7 @@ def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size:
                              "calibrated posteriors under the prior of the optional input log_prior_ratio (zeros: "
                              "the source prior, metadata 'prior')"),
     }
-    return [{"name": n, "shape": desc[n][0], "dtype": desc[n][1], "description": desc[n][2]} for n in names]
+    return tuple(OutputSpec(n, tuple(desc[n][0]), desc[n][1], desc[n][2]) for n in names)
 
 
 def _estimator_spec(ck: dict[str, Any]) -> dict[str, Any]:
@@ -427,13 +431,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
     TAFL_SIGNING_KEY (unset: the package is unsigned). `class_codes`: a JSON file mapping class names to codes
     ({"melanoma": {"value": "372244006", "scheme": "SCT", "meaning": "Malignant melanoma"}}), recorded as
     metadata `class_codes` for DICOM SRs (tafl.imaging.dicom_sr); a class without one uses the local scheme."""
-    import os
-
-    from tafl.packaging.signing import SIGNING_ENV, TRUSTED_ENV, load_private_key
-
+    from tafl.packaging.signing import TRUSTED_ENV, load_private_key
+    from tafl.settings import signing_key_setting, trusted_keys_setting
     from tafl.training.checkpoint import load_checkpoint
 
-    sign_key = sign_key or os.environ.get(SIGNING_ENV, "").strip() or None
+    sign_key = sign_key or signing_key_setting()
     signer = load_private_key(sign_key) if sign_key else None  # a bad key fails before the minutes of export
     ck_path = Path(checkpoint)
     ck = load_checkpoint(ck_path)
@@ -455,11 +457,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
         meta = _metadata(ck, mcfg, pre, graph, names, experts, vote, pkg_name, lineage, metrics, check,
                          _adaptive_check(ck_path))
         if class_codes is not None:
-            meta["class_codes"] = _class_codes(class_codes, meta["class_names"])
+            meta = meta.with_class_codes(_class_codes(class_codes, list(meta.class_names)))
         _write_package(tmpd, meta, ck_path, out, signer)
     # a signed package is checked against its own key; an unsigned one without keys (it is the consumer's trust
     # list that refuses it), with a warning where this environment has one
-    if signer is None and os.environ.get(TRUSTED_ENV, "").strip():
+    if signer is None and trusted_keys_setting():
         log.warning("%s is unsigned, and %s is set here: services with trusted keys will refuse it; export with "
                     "--sign-key (or TAFL_SIGNING_KEY)", out, TRUSTED_ENV)
     pkg = load_package(out, trusted_keys=[signer.public_key()] if signer is not None else ())
@@ -521,48 +523,48 @@ def _verify_with_prior(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: 
 
 
 def _metadata(ck: dict[str, Any], mcfg: ModelConfig, pre: Preprocess, graph: nn.Module, names: tuple[str, ...],
-              experts: list, vote: Any, pkg_name: str, lineage: dict[str, Any], metrics: dict[str, Any] | None,
-              check: dict[str, Any], adaptive: dict[str, Any] | None = None) -> dict[str, Any]:
+              experts: tuple[Expert, ...], vote: Vote | None, pkg_name: str, lineage: dict[str, Any],
+              metrics: dict[str, Any] | None, check: dict[str, Any],
+              adaptive: dict[str, Any] | None = None) -> PackageMetadata:
     """metadata.json: identity and lineage, input and output spec, vote, prior rule, provenance, metrics, checks."""
     C = mcfg.num_classes
     calibration = graph.prior_spec
-    return {
-        "schema": SCHEMA, "name": pkg_name, "version": lineage["version"], "parent_version": lineage["parent_version"],
-        "parent": lineage["parent"],
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "tafl_version": tafl.__version__, "method": ck["method"], "backbone": mcfg.backbone,
-        "model_config": mcfg.to_dict(), "task": "single-label image classification",
-        "class_names": list(ck["class_names"]),
-        "input": {"name": "image", "shape": ["batch", pre.channels, pre.size, pre.size], "dtype": "float32",
-                  "preprocessing": "outside the graph: decode, convert to the channel count, resize to size×size "
-                                   "(Pillow, bilinear), scale to [0, 1], subtract mean, divide by std",
-                  "preprocess": pre.to_dict()},
-        "outputs": _output_spec(names, len(experts), mcfg.num_classes, pre.size),
-        "experts": experts, "vote": vote,
-        "decision": _decision_spec(ck),
-        "prior": {"input": "log_prior_ratio", "shape": ["1 or batch", C], "dtype": "float32", "default": "zeros",
-                  "rule": "label = argmax softmax(scale·class_scale·z + bias + log q − log source_prior) when the "
-                          "input is non-zero, else the model's own rule (class_scale: null = 1)",
-                  "posteriors": calibration["posteriors"], "calibration": calibration["kind"],
-                  "temperature": calibration["temperature"], "scale": calibration["scale"],
-                  "bias": calibration["bias"], "class_scale": calibration.get("class_scale"),
-                  "source_prior": calibration["source_prior"],
-                  "fit": calibration.get("fit", {}),
-                  "estimator": _estimator_spec(ck),
-                  "adaptive_check": adaptive},
-        "heatmap": "attention rollout of the shared extractor" if mcfg.is_vit else
-                   "class activation map of the predicted class",
-        "training": {"run_config": ck["run_config"], "round": ck["round"],
-                     "train_class_counts": ck.get("train_class_counts"), "class_ranks": ck.get("class_ranks")},
-        "data_provenance": ck.get("data_provenance", {}),
-        "privacy": _privacy_spec(ck),
-        "metrics": metrics,
-        "intended_use": (f"Classify {ck['run_config']['dataset']}-like images into {len(ck['class_names'])} classes "
-                         "when the class mix at the site is unknown or shifts (test-agnostic long-tailed "
-                         "setting), as decision support beside a clinician."),
-        "limitations": _limitations(ck, metrics, mcfg.is_vit, adaptive),
-        "verification": check,
-    }
+    prior = PriorSpec(
+        input="log_prior_ratio", shape=["1 or batch", C], dtype="float32", default="zeros",
+        rule="label = argmax softmax(scale·class_scale·z + bias + log q − log source_prior) when the input is "
+             "non-zero, else the model's own rule (class_scale: null = 1)",
+        posteriors=calibration["posteriors"], calibration=calibration["kind"],
+        temperature=calibration["temperature"], scale=calibration["scale"], bias=calibration["bias"],
+        class_scale=calibration.get("class_scale"), source_prior=tuple(calibration["source_prior"]),
+        fit=calibration.get("fit", {}), estimator=Estimator(_estimator_spec(ck)),
+        adaptive_check=AdaptiveCheck(adaptive))
+    return PackageMetadata(
+        schema=SCHEMA, name=pkg_name, version=lineage["version"], parent_version=lineage["parent_version"],
+        parent=Parent(lineage["parent"]),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        tafl_version=tafl.__version__, method=ck["method"], backbone=mcfg.backbone,
+        model_config=mcfg.to_dict(), task="single-label image classification",
+        class_names=tuple(ck["class_names"]),
+        input=InputSpec(name="image", shape=("batch", pre.channels, pre.size, pre.size), dtype="float32",
+                        preprocessing="outside the graph: decode, convert to the channel count, resize to size×size "
+                                      "(Pillow, bilinear), scale to [0, 1], subtract mean, divide by std",
+                        preprocess=PreprocessSpec(pre.size, pre.channels, tuple(pre.mean), tuple(pre.std),
+                                                   pre.resample, pre.resize)),
+        outputs=_output_spec(names, len(experts), mcfg.num_classes, pre.size),
+        experts=experts, vote=vote, decision=Decision(_decision_spec(ck)), prior=prior,
+        heatmap="attention rollout of the shared extractor" if mcfg.is_vit else
+                "class activation map of the predicted class",
+        training=Training({"run_config": ck["run_config"], "round": ck["round"],
+                           "train_class_counts": ck.get("train_class_counts"), "class_ranks": ck.get("class_ranks")}),
+        data_provenance=Provenance(ck.get("data_provenance", {})),
+        privacy=Privacy(_privacy_spec(ck)),
+        metrics=Metrics(metrics),
+        intended_use=(f"Classify {ck['run_config']['dataset']}-like images into {len(ck['class_names'])} classes "
+                      "when the class mix at the site is unknown or shifts (test-agnostic long-tailed "
+                      "setting), as decision support beside a clinician."),
+        limitations=tuple(_limitations(ck, metrics, mcfg.is_vit, adaptive)),
+        verification=Verification(check),
+    )
 
 
 def _privacy_spec(ck: dict[str, Any]) -> dict[str, Any]:
@@ -587,7 +589,8 @@ def _decision_spec(ck: dict[str, Any]) -> dict[str, Any]:
                         "before export (the experts' probabilities carry it)",
                 "tau": rec["tau"], "offset": rec["offset"], "criterion": rec["criterion"],
                 "validation_images": rec.get("validation_images"), "validation_scores": rec.get("scores")}
-    return {"rule": "argmax(logits + offset), offset = −τ·log π, centred, π the class mix the posteriors describe (the training mix; DAFL: the loss-weighted mix); the probabilities "
+    return {"rule": "argmax(logits + offset), offset = −τ·log π, centred, π the class mix the posteriors describe "
+                    "(the training mix; DAFL: the loss-weighted mix); the probabilities "
                     "carry no offset, and a non-zero log_prior_ratio decides by the Bayes rule instead",
             "tau": rec["tau"], "offset": rec["offset"], "criterion": rec["criterion"],
             "validation_images": rec.get("validation_images"), "validation_scores": rec.get("scores")}
@@ -611,10 +614,10 @@ def _class_codes(path: str | Path, names: list[str]) -> dict[str, dict[str, str]
     return out
 
 
-def _write_package(tmpd: Path, meta: dict[str, Any], ck_path: Path, out: Path, signer: Any = None) -> None:
+def _write_package(tmpd: Path, meta: PackageMetadata, ck_path: Path, out: Path, signer: Any = None) -> None:
     """metadata.json, the model card, the checkpoint and SHA256SUMS (and its signature, with a `signer`) beside
     model.onnx in `tmpd`; then `tmpd` replaces `out`."""
-    (tmpd / "metadata.json").write_text(json.dumps(meta, indent=2))
+    (tmpd / "metadata.json").write_text(json.dumps(meta.to_json(), indent=2))
     (tmpd / "README.md").write_text(render_card(meta))
     shutil.copyfile(ck_path, tmpd / "checkpoint.pt")
     write_checksums(tmpd, ["model.onnx", "metadata.json", "README.md", "checkpoint.pt"])

@@ -1,5 +1,5 @@
 """Model packages: a folder (or the same folder inside the BentoML model store) that serving loads
-without PyTorch (docs/design.md §6).
+without PyTorch (docs/design.md, "The model package").
 
     model.onnx      the graph: image batch in; label, probabilities, expert votes, heatmap out
     metadata.json   name, version, lineage, classes, input/output spec, vote rule, provenance, metrics
@@ -28,34 +28,19 @@ import numpy as np
 from tafl.errors import PackageError
 from tafl.files import sha256_file
 from tafl.imaging import Preprocess
+from tafl.packaging.metadata import SCHEMA, PackageMetadata, listing, parse_version
 
-SCHEMA = "tafl-model-package/1"
+__all__ = ["SCHEMA", "ModelPackage", "bump_minor", "list_packages", "load_package", "parse_version", "write_checksums"]
+
 REQUIRED_FILES = ("model.onnx", "metadata.json", "README.md")
 SUMS = "SHA256SUMS"
 MAX_SUMS_BYTES = 1 << 20  # a manifest of a handful of lines; anything larger is not one
 IN_MEMORY = ("model.onnx", "metadata.json", "README.md")  # hashed from the bytes that are then used
-VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
-
-# key -> type(s) the metadata must hold
-METADATA_FIELDS: dict[str, tuple[type, ...]] = {
-    "schema": (str,), "name": (str,), "version": (str,), "parent_version": (str, type(None)),
-    "created": (str,), "method": (str,), "backbone": (str,), "class_names": (list,), "input": (dict,),
-    "outputs": (list,), "experts": (list,), "vote": (dict, type(None)), "heatmap": (str,),
-    "training": (dict,), "data_provenance": (dict,), "metrics": (dict, type(None)), "intended_use": (str,),
-    "limitations": (list,),
-}
 
 
 def write_checksums(folder: Path, names: list[str]) -> None:
     lines = [f"{sha256_file(folder / n)}  {n}" for n in sorted(names)]
     (folder / SUMS).write_text("\n".join(lines) + "\n")
-
-
-def parse_version(v: str) -> tuple[int, int, int]:
-    m = VERSION_RE.match(v or "")
-    if not m:
-        raise PackageError(f"version {v!r} is not semantic (MAJOR.MINOR.PATCH)")
-    return int(m[1]), int(m[2]), int(m[3])
 
 
 def bump_minor(v: str) -> str:
@@ -66,7 +51,8 @@ def bump_minor(v: str) -> str:
 @dataclass
 class ModelPackage:
     path: Path
-    metadata: dict[str, Any]
+    meta: PackageMetadata  # metadata.json, checked and typed: what tafl reads of a package
+    metadata: dict[str, Any]  # metadata.json as written, for what hands the JSON on as it is (GET /models)
     card: str
     files: dict[str, str] = field(default_factory=dict)  # name -> the sha256 SHA256SUMS lists (and the file had)
     signed_by: str | None = None  # the trusted key id whose signature was verified; None: not checked
@@ -74,23 +60,23 @@ class ModelPackage:
 
     @property
     def name(self) -> str:
-        return self.metadata["name"]
+        return self.meta.name
 
     @property
     def version(self) -> str:
-        return self.metadata["version"]
+        return self.meta.version
 
     @property
     def class_names(self) -> list[str]:
-        return list(self.metadata["class_names"])
+        return list(self.meta.class_names)
 
     @property
     def preprocess(self) -> Preprocess:
-        return Preprocess.from_dict(self.metadata["input"]["preprocess"])
+        return Preprocess.from_dict(self.meta.input.preprocess.to_json())
 
     @property
     def expert_names(self) -> list[str]:
-        return [e["name"] for e in self.metadata["experts"]]
+        return self.meta.expert_names
 
     @property
     def model_path(self) -> Path:
@@ -126,10 +112,10 @@ class ModelPackage:
         self._model_bytes = None
 
     def session(self, providers: list[str] | None = None, threads: int | None = None, spin: bool = True):
-        """An ONNX Runtime session, CUDA first where it is available (FIELD-NOTES: preload its DLLs), built from
+        """An ONNX Runtime session, CUDA first where it is available, built from
         the verified bytes of model.onnx, never from the path after the check. `spin=False`: ONNX Runtime's
         pool threads sleep between runs instead of spinning, for a process that runs one small batch at a time
-        beside other work (the DICOM listener: docs/results.md §17.4)."""
+        beside other work (the DICOM listener: docs/results.md, "Spinning threads in the listener")."""
         import onnxruntime as ort
 
         if providers is None:
@@ -138,7 +124,7 @@ class ModelPackage:
         if "CUDAExecutionProvider" in providers and not cuda_driver_present():
             providers = [p for p in providers if p != "CUDAExecutionProvider"]  # no driver: skip ORT's noisy attempt
         if "CUDAExecutionProvider" in providers and "CUDAExecutionProvider" in available:
-            try:
+            try:  # preload first, or the CUDA provider fails to load libcublasLt (CUDA libraries from pip wheels)
                 ort.preload_dlls()
             except Exception:  # noqa: BLE001 - a CPU-only machine: the CPU provider takes over
                 pass
@@ -161,15 +147,16 @@ class ModelPackage:
         self.release_model_bytes()  # the session holds the graph; a second session re-reads and re-checks
         return sess
 
-    def run(self, session, images: np.ndarray | list, log_prior_ratio: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    def run(self, session, images: np.ndarray | list,
+            log_prior_ratio: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Run the graph on a normalised float batch (N, C, H, W) or a list of images/arrays; `log_prior_ratio`
         ((C,), (1, C) or (N, C): log q − log source prior) decides for a prior q where the graph takes one."""
         x = images if isinstance(images, np.ndarray) and images.dtype == np.float32 and images.ndim == 4 \
             else self.preprocess(list(images) if not isinstance(images, list) else images)
         names = [o.name for o in session.get_outputs()]
-        feed = {self.metadata["input"]["name"]: x}
+        feed = {self.meta.input.name: x}
         if log_prior_ratio is not None:
-            if "prior" not in self.metadata:
+            if self.meta.prior is None:
                 raise PackageError(f"{self.name} {self.version} predates prior-aware inference: its graph takes no "
                                    "prior; re-export it with this tafl")
             r = np.asarray(log_prior_ratio, np.float32)
@@ -188,36 +175,15 @@ def cuda_driver_present() -> bool:
         return False
 
 
-def validate_metadata(meta: Any, where: str = "metadata.json") -> None:
-    if not isinstance(meta, dict):
-        raise PackageError(f"{where}: expected a JSON object")
-    for key, types in METADATA_FIELDS.items():
-        if key not in meta:
-            raise PackageError(f"{where}: missing '{key}'")
-        if not isinstance(meta[key], types):
-            raise PackageError(f"{where}: '{key}' has type {type(meta[key]).__name__}")
-    if meta["schema"] != SCHEMA:
-        raise PackageError(f"{where}: schema {meta['schema']!r}; this tafl reads {SCHEMA!r}")
-    parse_version(meta["version"])
-    if meta["parent_version"] is not None:
-        parse_version(meta["parent_version"])
-    if not meta["class_names"] or not all(isinstance(c, str) for c in meta["class_names"]):
-        raise PackageError(f"{where}: 'class_names' must be a non-empty list of strings")
-    inp = meta["input"]
-    for key in ("name", "shape", "dtype", "preprocess"):
-        if key not in inp:
-            raise PackageError(f"{where}: input lacks '{key}'")
+def read_metadata(raw: Any, where: str = "metadata.json") -> PackageMetadata:
+    """The typed metadata of `raw` (tafl.packaging.metadata: checked, migrated, a newer schema refused), with its
+    preprocessing also checked as tafl.imaging.Preprocess takes it."""
+    meta = PackageMetadata.from_json(raw, where)
     try:
-        Preprocess.from_dict(inp["preprocess"])
+        Preprocess.from_dict(meta.input.preprocess.to_json())
     except (KeyError, TypeError, ValueError) as exc:
         raise PackageError(f"{where}: input.preprocess is invalid ({exc})") from exc
-    outs = {o.get("name") for o in meta["outputs"] if isinstance(o, dict)}
-    needed = {"label", "probs", "heatmap"} | ({"expert_labels", "expert_probs", "votes"} if meta["experts"] else set())
-    if not needed <= outs:
-        raise PackageError(f"{where}: outputs lack {sorted(needed - outs)}")
-    for e in meta["experts"]:
-        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not isinstance(e.get("weight"), (int, float)):
-            raise PackageError(f"{where}: each expert needs a 'name' and a numeric 'weight'")
+    return meta
 
 
 def run_folder_hint(folder: Path) -> None:
@@ -296,15 +262,15 @@ def load_package(path: str | Path, trusted_keys: Any = None) -> ModelPackage:
         if got != digest:
             raise PackageError(f"{folder}: checksum mismatch for {name}: the file was modified after export")
     try:
-        meta = json.loads(kept["metadata.json"])
+        raw = json.loads(kept["metadata.json"])
     except (ValueError, RecursionError) as exc:
         raise PackageError(f"{folder / 'metadata.json'}: not valid JSON ({str(exc)[:120]})") from exc
-    validate_metadata(meta, str(folder / "metadata.json"))
+    meta = read_metadata(raw, str(folder / "metadata.json"))
     try:
         card = kept["README.md"].decode("utf-8")
     except UnicodeDecodeError:
         raise PackageError(f"{folder / 'README.md'}: the model card is not UTF-8 text") from None
-    return ModelPackage(folder, meta, card, files=listed, signed_by=signed_by, _model_bytes=kept["model.onnx"])
+    return ModelPackage(folder, meta, raw, card, files=listed, signed_by=signed_by, _model_bytes=kept["model.onnx"])
 
 
 def _read_small(path: Path, limit: int) -> bytes:
@@ -327,20 +293,14 @@ def list_packages(root: str | Path) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"path": str(f)}
         try:
-            pkg = load_package(f)
-            meta, row["status"] = pkg.metadata, "ok"
+            raw, row["status"] = load_package(f).metadata, "ok"
         except PackageError as exc:
             row["status"] = f"REFUSED: {exc.message}"
             try:
-                meta = json.loads((f / "metadata.json").read_text())
+                raw = json.loads((f / "metadata.json").read_text())
             except (OSError, json.JSONDecodeError):
                 rows.append(row)
                 continue
-        m = meta.get("metrics") or {}
-        row.update(name=meta.get("name"), version=meta.get("version"), parent_version=meta.get("parent_version"),
-                   method=meta.get("method"), created=meta.get("created"),
-                   average_accuracy=m.get("average_accuracy"),
-                   backward50=(m.get("accuracy") or {}).get("backward50"),
-                   forward50=(m.get("accuracy") or {}).get("forward50"))
+        row.update(listing(raw))
         rows.append(row)
     return rows

@@ -1,4 +1,4 @@
-"""Package signatures (docs/design.md §6): Ed25519 over the exact bytes of a package's SHA256SUMS.
+"""Package signatures (docs/design.md, "The model package"): Ed25519 over the exact bytes of a package's SHA256SUMS.
 
     tafl keys new --out DIR [--name NAME]   DIR/NAME.key (PKCS#8 PEM, mode 0600) and DIR/NAME.pub
     tafl export CKPT --out PKG --sign-key DIR/NAME.key   (or TAFL_SIGNING_KEY)
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tafl.errors import ConfigError, PackageError
+from tafl.settings import trusted_keys_setting
 
 SIG = "SHA256SUMS.sig"
 SIG_SCHEMA = "tafl-signature/1"
@@ -179,8 +180,9 @@ def load_trusted_keys(spec: Any) -> TrustedKeys:
 
 
 def trusted_keys_from_env() -> TrustedKeys:
-    """TAFL_TRUSTED_KEYS (comma-separated public key files or folders); unset or empty: no keys."""
-    return load_trusted_keys(os.environ.get(TRUSTED_ENV, "").strip() or None)
+    """TAFL_TRUSTED_KEYS (comma-separated public key files or folders, tafl.settings.trusted_keys_setting); unset or
+    empty: no keys."""
+    return load_trusted_keys(trusted_keys_setting())
 
 
 def signature_for(sums: bytes, private_key) -> dict[str, Any]:

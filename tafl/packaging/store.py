@@ -17,14 +17,14 @@ def to_bentoml(pkg: ModelPackage, name: str) -> str:
     import bentoml
 
     version = pkg.version.replace(".", "_")  # BentoML versions are [a-z0-9_.-]; keep the semantic version readable
-    meta = {k: pkg.metadata[k] for k in ("name", "version", "parent_version", "method", "backbone", "class_names",
-                                         "created")}
-    m = pkg.metadata.get("metrics") or {}
-    meta["average_accuracy"] = m.get("average_accuracy")
-    meta = {k: v for k, v in meta.items() if v is not None}  # BentoML metadata takes basic types, not None
-    labels = {"framework": "onnx", "tafl_method": pkg.metadata["method"], "tafl_version": pkg.version}
+    m = pkg.meta
+    info = {"name": m.name, "version": m.version, "parent_version": m.parent_version, "method": m.method,
+            "backbone": m.backbone, "class_names": list(m.class_names), "created": m.created,
+            "average_accuracy": m.metrics.average_accuracy}
+    info = {k: v for k, v in info.items() if v is not None}  # BentoML metadata takes basic types, not None
+    labels = {"framework": "onnx", "tafl_method": m.method, "tafl_version": pkg.version}
     try:
-        with bentoml.models.create(f"{name}:{version}", labels=labels, metadata=meta, module="tafl.packaging") as bm:
+        with bentoml.models.create(f"{name}:{version}", labels=labels, metadata=info, module="tafl.packaging") as bm:
             for f in FILES:
                 if (pkg.path / f).is_file():
                     shutil.copyfile(pkg.path / f, Path(bm.path) / f)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tafl.packaging.metadata import PackageMetadata, SiteScores
+
 # a class whose test images the model labels correctly at least this often is "recognised well"; below MISSED
 # it is "often missed" (the export's limitations name the classes under one half too, tafl.packaging.export)
 WELL, MISSED = 0.8, 0.5
@@ -28,7 +30,7 @@ MIXES = (("forward50", RIGHT + "when the case mix is like training (common findi
          ("uniform", RIGHT + "when every class is equally common"),
          ("backward50", RIGHT + "when rare findings become common (the usual mix reversed)"))
 
-# the detail's short explanation of the eleven distributions' names (docs/design.md §3)
+# the detail's short explanation of the eleven distributions' names (docs/design.md, "Data and the evaluation protocol")
 DISTRIBUTIONS_NOTE = ("forwardN: the classes as common as in training's long tail, the most common N times the "
                       "rarest; uniform: every class equally common; backwardN: the same tail reversed, the "
                       "training's rarest class the most common. Each accuracy weighs the per-class accuracy on the "
@@ -49,7 +51,7 @@ def whole_pct(v: float) -> str:
     return f"{100 * v:.0f}%"
 
 
-def training_shares(meta: dict[str, Any]) -> list[float] | None:
+def training_shares(meta: PackageMetadata) -> list[float] | None:
     """Each class's share of the training images: metadata `training.train_class_counts` divided by their sum.
 
     The same rule as the "training share" `tafl score` prints (tafl/clients/score.py: count / sum of counts).
@@ -57,8 +59,8 @@ def training_shares(meta: dict[str, Any]) -> list[float] | None:
     where `tafl score` would print 0 % for every class. Not the package's `prior.source_prior`: that is the
     class mix the model's probabilities assume, which for an ensemble trained toward balance is uniform and
     says nothing about how many images of each class it saw."""
-    counts = (meta.get("training") or {}).get("train_class_counts")
-    names = meta.get("class_names") or []
+    counts = meta.training.train_class_counts
+    names = meta.class_names
     if not isinstance(counts, list) or len(counts) != len(names):
         return None
     vals = [finite(c) for c in counts]
@@ -68,20 +70,18 @@ def training_shares(meta: dict[str, Any]) -> list[float] | None:
     return [v / total for v in vals] if total > 0 else None  # type: ignore[operator]
 
 
-def _dataset(meta: dict[str, Any]) -> str:
-    run = (meta.get("training") or {}).get("run_config") or {}
-    return str(run.get("dataset") or (meta.get("data_provenance") or {}).get("source") or "?")
+def _dataset(meta: PackageMetadata) -> str:
+    return str(meta.training.run.dataset or meta.data_provenance.source or "?")
 
 
-def _image_kind(meta: dict[str, Any]) -> tuple[str, str]:
+def _image_kind(meta: PackageMetadata) -> tuple[str, str]:
     """('greyscale images', ', shrunk to 64×64 pixels') from the package's preprocessing: what the model saw."""
-    pre = (meta.get("input") or {}).get("preprocess") or {}
-    ch, size = pre.get("channels"), pre.get("size")
+    ch, size = meta.input.preprocess.channels, meta.input.preprocess.size
     kind = {1: "greyscale", 3: "colour"}.get(ch, f"{ch}-channel" if ch else "")
     return (f"{kind} images" if kind else "images"), (f", shrunk to {size}×{size} pixels" if size else "")
 
 
-def plain_summary(meta: dict[str, Any]) -> dict[str, Any]:
+def plain_summary(meta: PackageMetadata) -> dict[str, Any]:
     """The summary's parts:
 
     - `what`: one sentence, what the model sorts and into which classes;
@@ -93,16 +93,16 @@ def plain_summary(meta: dict[str, Any]) -> dict[str, Any]:
       certified medical device);
     - `not_for`: [sentence] what it must not be used for;
     - `measured`: where the numbers come from, in one plain line (None without metrics)."""
-    names = [str(c) for c in meta.get("class_names") or []]
-    met = meta.get("metrics") or {}
-    acc = met.get("accuracy") or {}
+    names = [str(c) for c in meta.class_names]
+    met = meta.metrics
+    acc = met.accuracy
     dataset = _dataset(meta)
-    n_train = (meta.get("data_provenance") or {}).get("n_train")
+    n_train = meta.data_provenance.n_train
     what = f"Sorts {dataset} images into one of {len(names)} classes: {', '.join(names)}."
 
     accuracy = [(words, whole_pct(v), v) for k, words in MIXES if (v := finite(acc.get(k))) is not None]
 
-    per_class = met.get("per_class_accuracy") or []
+    per_class = met.per_class_accuracy or []
     well, between, missed, untested = [], [], [], []
     for i, c in enumerate(names):
         v = finite(per_class[i]) if i < len(per_class) else None
@@ -152,7 +152,7 @@ STATUS = ("For research and evaluation only: not a certified medical device, and
           "clinician.")
 
 
-def summary_markdown(meta: dict[str, Any]) -> list[str]:
+def summary_markdown(meta: PackageMetadata) -> list[str]:
     """The summary as Markdown lines (the model card's first section)."""
     s = plain_summary(meta)
     lines = ["## In short", "", s["what"], "", f"**{s['status']}**", ""]
@@ -176,25 +176,22 @@ SITES_NOTE = ("Each site (hospital) is scored on its own test images, at its own
               "accuracy is the mean of the per-class recalls, the number Fed-ISIC2019 reports.")
 
 
-def site_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
+def site_rows(meta: PackageMetadata) -> list[dict[str, Any]]:
     """The per-site rows of a package trained with a client column (metrics.sites), then the mean over sites and the
     pooled balanced accuracy; [] for other packages. Values are fractions or None (what the metadata lacks)."""
-    met = meta.get("metrics") or {}
-    sites = met.get("sites") or {}
-    if not isinstance(sites, dict) or not sites:
+    met = meta.metrics
+    sites = met.sites
+    if not sites:
         return []
 
-    def rule(d: Any, name: str, key: str = "accuracy") -> float | None:
-        return finite(((d or {}).get(name) or {}).get(key)) if isinstance(d, dict) else None
+    def row(site: str, d: SiteScores, n_test: Any) -> dict[str, Any]:
+        return {"site": site, "n_test": n_test, "own": finite(d.rule("own").accuracy),
+                "own_balanced": finite(d.rule("own").balanced_accuracy), "site_mix": finite(d.rule("site").accuracy),
+                "adapted": finite(d.rule("adapted").accuracy), "oracle": finite(d.rule("oracle").accuracy)}
 
-    rows = [{"site": str(name), "n_test": (d or {}).get("n_test") if isinstance(d, dict) else None,
-             "own": rule(d, "own"), "own_balanced": rule(d, "own", "balanced_accuracy"), "site_mix": rule(d, "site"),
-             "adapted": rule(d, "adapted"), "oracle": rule(d, "oracle")} for name, d in sites.items()]
-    mean = met.get("site_mean") or {}
-    rows.append({"site": "mean over sites", "n_test": None, "own": rule(mean, "own"),
-                 "own_balanced": rule(mean, "own", "balanced_accuracy"), "site_mix": rule(mean, "site"),
-                 "adapted": rule(mean, "adapted"), "oracle": rule(mean, "oracle")})
-    pooled = finite(met.get("pooled_balanced_accuracy"))
+    rows = [row(name, d, d.n_test) for name, d in sites.items()]
+    rows.append(row("mean over sites", met.site_mean, None))
+    pooled = finite(met.pooled_balanced_accuracy)
     if pooled is not None:
         rows.append({"site": "all sites pooled", "n_test": sum(r["n_test"] or 0 for r in rows), "own": None,
                      "own_balanced": pooled, "site_mix": None, "adapted": None, "oracle": None})

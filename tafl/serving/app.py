@@ -100,40 +100,41 @@ async def _starlette_form(request: Request, max_files: int, limit: int,
 
 # ------------------------------------------------------------------ priors
 def prior_choice(model: LoadedModel, options: dict[str, str]) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """The request's `prior`: train (default, stateless), site (this site's own class mix, TAFL_SITE_MIX),
-    adaptive (the model's current case-mix estimate) or an explicit prior (comma-separated or a JSON list, one value
-    per class). Returns the graph's log prior ratio (None: the plain rule) and the response's `prior` section."""
-    from tafl.prior import check_prior, log_prior_ratio, total_variation
+    """The request's `prior` (tafl.prior.parse_prior_option, as `tafl score --prior` reads it): train (default,
+    stateless), site (this site's own class mix, TAFL_SITE_MIX), adaptive (the model's current case-mix estimate) or
+    an explicit prior (comma-separated or a JSON list, one value per class). Returns the graph's log prior ratio
+    (None: the plain rule) and the response's `prior` section."""
+    from tafl.prior import check_prior, log_prior_ratio, parse_prior_option, total_variation
 
-    raw = str(options.get("prior", "train")).strip()
+    option = parse_prior_option(options.get("prior"))
     names = model.package.class_names
-    if raw.lower() in ("", "train"):
+    if option.mode == "train":
         sec: dict[str, Any] = {"used": "train"}
-        dec = model.package.metadata.get("decision") or {}
-        if dec.get("tau"):  # the label is the validation-chosen operating point's, not the probabilities' argmax
-            sec["operating_point"] = {"tau": dec["tau"], "rule": "logit adjustment chosen on validation"}
+        tau = model.package.meta.decision.tau
+        if tau:  # the label is the validation-chosen operating point's, not the probabilities' argmax
+            sec["operating_point"] = {"tau": tau, "rule": "logit adjustment chosen on validation"}
         return None, sec
     if model.monitor is None:
         raise BadRequest(f"model '{model.name}' {model.package.version} was exported before prior-aware inference; "
                          "re-export it with this tafl to use prior=adaptive or an explicit prior")
     src = model.monitor.source
-    if raw.lower() == "site":
+    if option.mode == "site":
         if model.site_prior is None:
             raise BadRequest("prior=site decides for this site's own class mix, and this service was started "
                              "without one: start it with --site-mix CLASS=COUNT,... (or TAFL_SITE_MIX)")
         q = model.site_prior
         return log_prior_ratio(q, src), {"used": "site", "prior": dict(zip(names, map(float, q)))}
-    if raw.lower() == "adaptive":
+    if option.mode == "adaptive":
         q, n, why = model.monitor.current()
         if q is None:
             return None, {"used": "train", "requested": "adaptive", "fallback": why, "images": n}
         return log_prior_ratio(q, src), {"used": "adaptive", "images": n, "prior": dict(zip(names, map(float, q))),
                                          "shift_from_source": total_variation(q, src)}
     try:
-        values = json.loads(raw) if raw.startswith("[") else [float(v) for v in raw.split(",")]
+        values = option.values()
     except ValueError:
         raise BadRequest(f"option 'prior' must be train, site, adaptive, or {len(names)} probabilities (one per "
-                         f"class: {', '.join(names)}), comma-separated; got {raw[:40]!r}") from None
+                         f"class: {', '.join(names)}), comma-separated; got {option.text[:40]!r}") from None
     try:
         q = check_prior(values, len(names), "option 'prior'")
     except ConfigError as exc:
@@ -201,7 +202,7 @@ async def predict(request: Request, call: Call) -> Response:
         return resp
     body: dict[str, Any] = {"request_id": call.rid, **first,
                             "model": {"name": model.name, "version": model.package.version,
-                                      "method": model.package.metadata["method"]},
+                                      "method": model.package.meta.method},
                             "input": {"kind": p.decoded.kind, "frames": len(p.decoded.frames),
                                       "size": list(p.decoded.frames[0].shape[:2]), **p.decoded.info},
                             "prior": p.prior}
@@ -211,7 +212,7 @@ async def predict(request: Request, call: Call) -> Response:
         heat = p.out["heatmap"][0]
         png = await asyncio.to_thread(overlay_png, p.decoded.frames[0], heat)
         body["heatmap"] = {"png_base64": base64.b64encode(png).decode(), "shape": list(heat.shape),
-                           "kind": model.package.metadata["heatmap"], "frame": 0}
+                           "kind": model.package.meta.heatmap, "frame": 0}
     for r in results:
         st.count(model, r["class_name"])
     t0, t1, t2 = p.timing
@@ -310,7 +311,7 @@ async def predict_batch(request: Request, call: Call) -> Response:
     timing = 1000 * (time.perf_counter() - call.start)
     audit(**call.audit, status=200, errors=sum("error" in r for r in results), timing_ms=round(timing, 2))
     return JSONResponse({"request_id": call.rid, "model": {"name": model.name, "version": model.package.version,
-                                                          "method": model.package.metadata["method"]},
+                                                          "method": model.package.meta.method},
                          "prior": prior, "results": results, "timing_ms": {"total": timing}},
                         headers={"X-Request-ID": call.rid})
 

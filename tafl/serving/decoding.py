@@ -3,7 +3,7 @@
 Compressed DICOM decodes in worker processes (`DecodePool`). The JPEG 2000, JPEG-LS and JPEG codecs
 behind pydicom (pylibjpeg-openjpeg, pyjpegls, pylibjpeg-libjpeg), RLE and deflate hold the GIL for a
 whole frame: in a thread, a 0.2 s J2K decode stalls the event loop, and with it /healthz and every
-other request, for its whole duration (docs/results.md §5.2: /healthz p99 490 ms in a soak with
+other request, for its whole duration (docs/results.md, "Soak and where a decode runs": /healthz p99 490 ms in a soak with
 threads, 34 ms with processes). A process has its own GIL, so the loop stays free, and a codec that
 crashes on a crafted file takes down a decoder process (replaced at once, the file tried once more
 and then answered 422), not the service. Native (uncompressed) DICOM, PNG and JPEG stay in-process:

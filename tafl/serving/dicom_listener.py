@@ -229,9 +229,9 @@ class Listener:
         self.settings = settings or Settings.from_env(workers=1)  # TAFL_WORKERS is the service's, not ours
         self.pkg = load_package(package)
         # one image per run, between pydicom, pynetdicom and the SR processes: ONNX Runtime's threads spinning after
-        # each run took 24 ms of CPU an instance on 2 cores, a third of the listener's (docs/results.md §17.4)
+        # each run took 24 ms of CPU an instance on 2 cores, a third of the listener's (docs/results.md, "Spinning threads in the listener")
         self.session = self.pkg.session(["CPUExecutionProvider"], threads, spin=False)
-        self.algo = dicom_sr.Algorithm.from_metadata(self.pkg.metadata, self.pkg.files.get("model.onnx", ""))
+        self.algo = dicom_sr.Algorithm.from_metadata(self.pkg.meta, self.pkg.files.get("model.onnx", ""))
         self.destination, self.ae_title, self.host, self.port = destination, ae_title, host, port
         self.heatmap, self.max_queue, self.workers = heatmap, max(1, max_queue), max(1, workers)
         self.spool = Path(spool)

@@ -45,7 +45,7 @@ def algorithm(model: Any) -> dicom_sr.Algorithm:
     algo = getattr(model, "_dicom_algorithm", None)
     if algo is None:
         pkg = model.package
-        algo = dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
+        algo = dicom_sr.Algorithm.from_metadata(pkg.meta, pkg.files.get("model.onnx", ""))
         model._dicom_algorithm = algo
     return algo
 

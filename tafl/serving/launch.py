@@ -38,7 +38,7 @@ from typing import Any
 from tafl.errors import ConfigError, PackageError, ServiceUnavailable
 from tafl.procs import MALLOC_ENV, ProcessTree, free_port, start_group, stop_group, wait_http
 from tafl.serving.runtime import resolve_package
-from tafl.settings import env_float
+from tafl.settings import child_environment, env_float, env_str
 
 __all__ = ["DRAIN_SECONDS", "EXIT_PORT_IN_USE", "SERVICE", "ServerProcess", "check_port", "drain_seconds_from_env",
            "free_port", "preflight", "serve", "serve_command", "service_env", "stop_group"]
@@ -111,8 +111,8 @@ def preflight(packages: list[str], host: str = "127.0.0.1", port: int = 3000) ->
             raise PackageError(f"{names[pkg.name]} and {ref} are both named '{pkg.name}'; give them distinct "
                                "names at export (tafl export --name)")
         names[pkg.name] = ref
-        if settings.site_mix and "prior" in pkg.metadata:  # a class this model lacks: one line, nothing started
-            parse_site_mix(settings.site_mix, list(pkg.metadata["class_names"]), f"TAFL_SITE_MIX for {pkg.name}")
+        if settings.site_mix and pkg.meta.prior is not None:  # a class this model lacks: one line, nothing started
+            parse_site_mix(settings.site_mix, pkg.class_names, f"TAFL_SITE_MIX for {pkg.name}")
         loaded.append(pkg)
     check_port(host, port)
     return loaded
@@ -124,7 +124,7 @@ def bentoml_main(argv: list[str] | None = None) -> int:
     With TAFL_PROMETHEUS_DIR it keeps its Prometheus multiprocess files there instead of in
     $BENTOML_HOME/prometheus_multiproc_dir, which BentoML empties at every start (its workers get the folder
     as PROMETHEUS_MULTIPROC_DIR). A port taken since the check ends it with EXIT_PORT_IN_USE, no traceback."""
-    prom = os.environ.get(PROMETHEUS_ENV, "").strip()
+    prom = env_str(PROMETHEUS_ENV)
     if prom:
         from bentoml._internal.configuration.containers import BentoMLContainer
 
@@ -168,7 +168,7 @@ def serve_command(host: str, port: int, target: str = SERVICE, drain_seconds: fl
 
 
 def service_env(packages: list[str], token: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = child_environment()
     if packages:
         env["TAFL_PACKAGES"] = ",".join(str(Path(p).resolve()) if Path(p).is_dir() else p for p in packages)
     else:  # the service's default: the store model a built bento bundles
@@ -242,11 +242,12 @@ def _run_server(packages: list[str], host: str, port: int, token: str | None, dr
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}  # before the child exists: no gap
     proc: subprocess.Popen | None = None
     tree: ProcessTree | None = None
+    linux = sys.platform.startswith("linux")  # where the child can be told to die with its parent (prctl)
     try:
         proc = subprocess.Popen(serve_command(host, port, drain_seconds=drain_seconds),
                                 env=service_env(packages, token, {PROMETHEUS_ENV: prom}), start_new_session=True,
                                 # the wrapper runs no other thread here, so preexec_fn is safe
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)  # noqa: PLW1509
+                                preexec_fn=_die_with_parent if linux else None)  # noqa: PLW1509
         tree = ProcessTree(proc)
         last_scan = time.monotonic()
         while proc.poll() is None and not received:

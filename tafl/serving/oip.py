@@ -79,19 +79,19 @@ def server_metadata() -> dict[str, Any]:
 
 def model_metadata(model: LoadedModel) -> dict[str, Any]:
     """The model's tensors as the protocol describes them (-1: any batch size)."""
-    meta = model.package.metadata
-    spec = meta["input"]
-    inputs = [{"name": spec["name"], "datatype": "FP32",
-               "shape": [-1 if not isinstance(d, int) else d for d in spec["shape"]]}]
-    if "prior" in meta:  # graphs that decide under another prior take it as a second, optional input
+    meta = model.package.meta
+    spec = meta.input
+    inputs = [{"name": spec.name, "datatype": "FP32",
+               "shape": [-1 if not isinstance(d, int) else d for d in spec.shape]}]
+    if meta.prior is not None:  # graphs that decide under another prior take it as a second, optional input
         inputs.append({"name": PRIOR_INPUT, "datatype": "FP32", "shape": [-1, len(model.package.class_names)],
                        "parameters": {"optional": True, "description": "log q - log source prior; [C] or [N, C]"}})
-    outputs = [{"name": o["name"], "datatype": META_TYPES.get(o["dtype"], o["dtype"].upper()),
-                "shape": [-1 if not isinstance(d, int) else d for d in o["shape"]]} for o in meta["outputs"]]
+    outputs = [{"name": o.name, "datatype": META_TYPES.get(o.dtype, o.dtype.upper()),
+                "shape": [-1 if not isinstance(d, int) else d for d in o.shape]} for o in meta.outputs]
     return {"name": model.name, "versions": [model.package.version], "platform": "onnxruntime_onnx",
             "inputs": inputs, "outputs": outputs,
-            "parameters": {"class_names": model.package.class_names, "method": meta.get("method"),
-                           "preprocess": spec.get("preprocess")}}
+            "parameters": {"class_names": model.package.class_names, "method": meta.method,
+                           "preprocess": spec.preprocess.to_json()}}
 
 
 async def server(request: Request) -> Response:
@@ -188,24 +188,25 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[dict[str, Any
 
 def check_inputs(model: LoadedModel, tensors: dict[str, np.ndarray], max_rows: int) -> tuple[np.ndarray, Any]:
     """The image batch and the prior ratio (None, [C] or [N, C]) the graph runs on, checked against the package."""
-    spec = model.package.metadata["input"]
-    names = {spec["name"]} | ({PRIOR_INPUT} if "prior" in model.package.metadata else set())
+    meta = model.package.meta
+    spec = meta.input
+    names = {spec.name} | ({PRIOR_INPUT} if meta.prior is not None else set())
     unknown = sorted(set(tensors) - names)
     if unknown:
         raise BadRequest(f"unknown input(s) {unknown[:5]}; model '{model.name}' takes {sorted(names)}")
-    if spec["name"] not in tensors:
-        raise BadRequest(f"input '{spec['name']}' is missing")
-    x = tensors[spec["name"]]
-    want = [d if isinstance(d, int) else None for d in spec["shape"]]
+    if spec.name not in tensors:
+        raise BadRequest(f"input '{spec.name}' is missing")
+    x = tensors[spec.name]
+    want = [d if isinstance(d, int) else None for d in spec.shape]
     if x.dtype != np.float32 or x.ndim != len(want) or any(w is not None and w != d for w, d in zip(want, x.shape)):
         shown = ["N" if w is None else w for w in want]
-        raise BadRequest(f"input '{spec['name']}' must be FP32 of shape {shown} (the package's preprocessed "
+        raise BadRequest(f"input '{spec.name}' must be FP32 of shape {shown} (the package's preprocessed "
                          f"images); got {DATATYPES.get(x.dtype, str(x.dtype))} {list(x.shape)}")
     if not 1 <= len(x) <= max_rows:
         raise PayloadTooLarge(f"{len(x)} rows in one request; send 1 to {max_rows}") if len(x) else \
             BadRequest("the input holds no rows")
     if not np.isfinite(x).all():
-        raise BadRequest(f"input '{spec['name']}' holds NaN or infinite values")
+        raise BadRequest(f"input '{spec.name}' holds NaN or infinite values")
     ratio = tensors.get(PRIOR_INPUT)
     if ratio is not None:
         c = len(model.package.class_names)
@@ -231,8 +232,8 @@ def requested_outputs(req: dict[str, Any], available: list[str]) -> list[tuple[s
     out = []
     for i, o in enumerate(asked):
         if not isinstance(o, dict) or o.get("name") not in available:
-            raise BadRequest(f"outputs[{i}]: unknown output {str((o or {}).get('name') if isinstance(o, dict) else o)[:40]!r}; "
-                             f"the graph's outputs are {available}")
+            named = (o or {}).get("name") if isinstance(o, dict) else o
+            raise BadRequest(f"outputs[{i}]: unknown output {str(named)[:40]!r}; the graph's outputs are {available}")
         p = o.get("parameters") or {}
         out.append((o["name"], bool(p.get("binary_data", default_binary)) if isinstance(p, dict) else default_binary))
     return out
@@ -273,7 +274,7 @@ async def infer(request: Request, call: Call) -> Response:
     call.audit["bytes"] = len(body)
     req, tensors = parse_request(body, request.headers.get(HEADER_LENGTH))
     x, ratio = check_inputs(model, tensors, st.settings.max_request_frames)  # /predict/batch's frame budget
-    available = [o["name"] for o in model.package.metadata["outputs"]]
+    available = [o.name for o in model.package.meta.outputs]
     wanted = requested_outputs(req, available)
     out = await st.run(model, x, ratio)
     names = model.package.class_names

@@ -1,6 +1,6 @@
 """What a model's outputs say about one decoded frame, as the service's JSON answers it: the one function the
 REST routes, the Open Inference Protocol's callers (through the same outputs), the page and the DICOM listener
-share (docs/design.md §7). Pure: no request, no service state."""
+share (docs/design.md, "The image path and the service"). Pure: no request, no service state."""
 
 from __future__ import annotations
 

@@ -314,7 +314,7 @@ class PriorMonitor:
     (the package's tafl.prior.PriorEstimator; no image is kept). `add` is cheap and runs on the event loop; the EM
     runs in its own thread every `refresh` images, so estimation never blocks or fails a prediction. Under load it
     runs at most every `min_interval` seconds, on the window as it is then: an EM of 500 images takes up to 2 ms, and
-    at 1,000 images a second every 50 images it took 3-7 % of the service's throughput (docs/results.md §19.3)."""
+    at 1,000 images a second every 50 images it took 3-7 % of the service's throughput (docs/results.md, "The worker's heap")."""
 
     def __init__(self, source: np.ndarray, window: int = 500, refresh: int = 50, min_images: int = 100,
                  blocked: str | None = None, estimator: Any = None, min_interval: float = 0.5):
@@ -429,8 +429,10 @@ class ModelRegistry:
     def __init__(self, refs: list[str], *, providers: list[str] | None = None, threads: int | None = None,
                  max_batch: int = 64, max_wait_ms: float = 2.0, prior_window: int = 500, prior_refresh: int = 50,
                  prior_min_images: int = 100, trusted_keys: Any = None, lanes: int | None = None,
-                 site_mix: str | None = None, workers: int = 1, lanes_from: str = "default"):
+                 site_mix: str | None = None, workers: int = 1, lanes_from: str = "default",
+                 prior_adaptive: str | None = None):
         from tafl.packaging.signing import load_trusted_keys, trusted_keys_from_env
+        from tafl.settings import prior_adaptive_mode
 
         # read once: every load and reload verifies against the keys the service started with (None:
         # TAFL_TRUSTED_KEYS; with keys, unsigned and tampered packages are refused)
@@ -440,6 +442,9 @@ class ModelRegistry:
                      ", ".join(self.trusted_keys.ids))
         self.prior_window, self.prior_refresh, self.prior_min_images = prior_window, prior_refresh, prior_min_images
         self.site_mix = site_mix  # TAFL_SITE_MIX: this site's class counts, the centre of a `site` estimator
+        # TAFL_PRIOR_ADAPTIVE (the service's Settings hand it on; None: read here): checked follows each package's
+        # validation check before prior=adaptive adapts, always adapts anyway
+        self.prior_adaptive = prior_adaptive_mode() if prior_adaptive is None else prior_adaptive
         if not refs:
             raise PackageError("no model packages configured: set TAFL_PACKAGES to package folders or BentoML tags")
         self.providers = providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -461,7 +466,7 @@ class ModelRegistry:
         """`label`: what logs and /models show for `ref` (a reload's never names a host path)."""
         pkg = resolve_package(ref, self.trusted_keys)
         # several lanes on the CPU: each gets cores // lanes threads (three of one thread served 1.16x the images of
-        # one two-thread call on 2 cores, at about 130 MB more resident memory under the soak: docs/results.md §19.1)
+        # one two-thread call on 2 cores, at about 130 MB more resident memory under the soak: docs/results.md, "Model lanes")
         lanes = self.lanes or 1
         threads = self.threads or lane_threads(cpu_cores(), lanes, self.workers)
         session = pkg.session(self.providers, threads)  # from the verified bytes of model.onnx
@@ -471,11 +476,11 @@ class ModelRegistry:
                  "checked: no trusted keys", used)
         if "CUDAExecutionProvider" in self.providers and "CUDAExecutionProvider" not in used:
             log.info("%s runs on the CPU (no usable CUDA provider)", pkg.name)
-        input_name = pkg.metadata["input"]["name"]
+        input_name = pkg.meta.input.name
         out_names = [o.name for o in session.get_outputs()]
 
         # an input with a default is an overridable initializer to ONNX Runtime, not one of its inputs
-        takes_prior = "prior" in pkg.metadata and any(
+        takes_prior = pkg.meta.prior is not None and any(
             i.name == "log_prior_ratio" for i in [*session.get_inputs(), *session.get_overridable_initializers()])
 
         def run(batch: np.ndarray, ratios: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -490,20 +495,21 @@ class ModelRegistry:
         monitor, site_q = None, None
         if takes_prior:
             try:  # a malformed record is the package's fault: refused like any other bad package, not a 500
-                estimator = PriorEstimator.from_dict(pkg.metadata["prior"].get("estimator"))
+                estimator = PriorEstimator.from_dict(pkg.meta.prior.estimator.to_json())
             except ConfigError as exc:
                 raise PackageError(f"{pkg.name} {pkg.version}: metadata prior.estimator: {exc}") from None
             if self.site_mix:  # a class this model lacks is the setting's fault: a ConfigError naming it
-                counts = parse_site_mix(self.site_mix, list(pkg.metadata["class_names"]),
+                counts = parse_site_mix(self.site_mix, list(pkg.meta.class_names),
                                         f"TAFL_SITE_MIX for {pkg.name}")
                 site_q = site_prior(counts)
                 estimator = estimator.for_site(counts)
                 if estimator.center != "site":
                     log.info("%s %s: TAFL_SITE_MIX is not used: its case-mix estimate is centred on %s, not on the "
                              "site's mix", pkg.name, pkg.version, estimator.center)
-            monitor = PriorMonitor(np.asarray(pkg.metadata["prior"]["source_prior"], np.float64), self.prior_window,
+            monitor = PriorMonitor(np.asarray(pkg.meta.prior.source_prior, np.float64), self.prior_window,
                                    self.prior_refresh, self.prior_min_images,
-                                   blocked=adaptive_blocked(pkg.metadata.get("prior")), estimator=estimator)
+                                   blocked=adaptive_blocked(pkg.meta.prior.adaptive_check, self.prior_adaptive),
+                                   estimator=estimator)
         return LoadedModel(pkg, session, Batcher(run, self.max_batch, self.max_wait_ms, lanes), used, label or ref,
                            lanes_from=self.lanes_from, monitor=monitor, site_prior=site_q)
 

@@ -1,10 +1,11 @@
-"""The BentoML service (docs/design.md §7): `bentoml serve tafl.serving.service:TaflService`.
+"""The BentoML service (docs/design.md, "The image path and the service"): `bentoml serve tafl.serving.service:TaflService`.
 
 Packages come from TAFL_PACKAGES (folders or BentoML model tags, comma-separated); they are
 loaded once per worker, verified, and run in ONNX Runtime (CUDA first, CPU second). The routes
 live in `tafl.serving.app` (REST), `tafl.serving.oip` (the Open Inference Protocol) and `tafl.serving.ui` (the
-page); their shared state is one ServingState per worker (tafl.serving.context), made here. BentoML adds /healthz, /livez, /readyz and /metrics, where the
-`tafl_predicted_class_total` counter shows the test-time class mix per model.
+page); their shared state is one ServingState per worker (tafl.serving.context), made here. BentoML adds /healthz,
+/livez, /readyz and /metrics, where the `tafl_predicted_class_total` counter shows the test-time class mix per
+model.
 """
 
 from __future__ import annotations
@@ -81,14 +82,14 @@ class TaflService:
         self.registry = ModelRegistry(settings.packages, threads=settings.ort_threads, max_batch=settings.max_batch,
                                       max_wait_ms=settings.batch_wait_ms, prior_window=settings.prior_window,
                                       prior_refresh=settings.prior_refresh, prior_min_images=settings.prior_min_images,
-                                      site_mix=settings.site_mix,
+                                      site_mix=settings.site_mix, prior_adaptive=settings.prior_adaptive,
                                       lanes=settings.model_lanes, lanes_from=settings.lanes_from,
                                       workers=settings.workers)
         self.state = ServingState.start(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
         setattr(APP.state, STATE_KEY, self.state)
         # what the worker loaded (BentoML, the packages, ONNX Runtime's Python side: ~150,000 objects) never becomes
         # garbage: frozen, the cyclic collector stops walking it. Each full collection took ~70 ms of the event loop
-        # under load, 0.09 ms a request on average (docs/results.md §19.3); objects freed by reference count still are.
+        # under load, 0.09 ms a request on average (docs/results.md, "The worker's heap"); objects freed by reference count still are.
         gc.collect()
         gc.freeze()
         log.info("tafl service ready with %s (auth %s); %d worker(s): %s; %s model call(s) in flight per model: %s",

@@ -10,19 +10,11 @@ from dataclasses import dataclass, field
 
 from tafl.errors import ConfigError
 from tafl.serving.decoding import default_processes
-from tafl.settings import env_float, env_int
+from tafl.settings import DEFAULT_MAX_UPLOAD_MB, env_float, env_int, prior_adaptive_mode, upload_limit
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "tafl-model:latest"
-DEFAULT_MAX_UPLOAD_MB = 50.0
-
-
-def upload_limit() -> int:
-    """TAFL_MAX_UPLOAD_MB (default 50) in bytes: the largest file the service takes in one upload. One reading for
-    every path that receives a DICOM file: the service, and `tafl score --dicomweb`, which reads no WADO-RS answer
-    past it (tafl.clients.dicomweb)."""
-    return int(env_float("TAFL_MAX_UPLOAD_MB", DEFAULT_MAX_UPLOAD_MB) * 2**20)
 
 
 @dataclass
@@ -48,6 +40,7 @@ class Settings:
     prior_refresh: int = 50  # served images between two estimates
     prior_min_images: int = 100  # fewer images behind the estimate: prior=adaptive falls back to the source prior
     site_mix: str | None = None  # this site's own class counts (tafl.prior.parse_site_mix): the estimator's centre
+    prior_adaptive: str = "checked"  # TAFL_PRIOR_ADAPTIVE: checked (each package's validation check decides) or always
     max_request_frames: int = 256  # decoded frames in one request, all its files together (/predict/batch)
     max_request_pixels: int = 100_000_000  # decoded pixels in one request, all its files together
     decode_processes: int = field(default_factory=default_processes)  # DICOM decoder processes; 0: threads
@@ -92,6 +85,7 @@ class Settings:
                    prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
                    prior_min_images=env_int("TAFL_PRIOR_MIN_IMAGES", 100),
                    site_mix=env.get("TAFL_SITE_MIX", "").strip() or None,
+                   prior_adaptive=prior_adaptive_mode(),
                    max_request_frames=env_int("TAFL_MAX_REQUEST_FRAMES", 256),
                    max_request_pixels=env_int("TAFL_MAX_REQUEST_PIXELS", 100_000_000),
                    # per worker: the default pool is shared out among the workers (at least one each)
@@ -106,7 +100,7 @@ def service_workers() -> int:
     """The service's worker processes: TAFL_WORKERS, else the count the service chose at start (its plan, handed to
     its workers in TAFL_SERVING_PLAN: tafl.serving.tuning), else 1. Each loads every package and runs its own event
     loop and batcher, so per-request Python work spreads over the cores instead of queueing on one interpreter lock
-    (docs/results.md §19.3); each also costs the packages' memory once more."""
+    (docs/results.md, "The worker's heap"); each also costs the packages' memory once more."""
     n = env_int("TAFL_WORKERS", 0, minimum=0)
     if n > MAX_WORKERS:
         raise ConfigError(f"TAFL_WORKERS must be at most {MAX_WORKERS}, got {n}")
@@ -169,9 +163,6 @@ def check_service_env() -> Settings:
     """Every TAFL_* setting the service reads at start, checked: the Settings, TAFL_MAX_CONCURRENCY and
     TAFL_PRIOR_ADAPTIVE. ConfigError (one line naming the variable) on the first bad one; `tafl serve`
     calls it before anything starts, the service module when BentoML imports it."""
-    from tafl.prior import adaptive_blocked
-
-    settings = Settings.from_env()
+    settings = Settings.from_env()  # TAFL_PRIOR_ADAPTIVE among them
     max_concurrency()
-    adaptive_blocked(None)
     return settings

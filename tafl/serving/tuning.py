@@ -35,7 +35,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-REQUEST_CORE_MS = 0.6  # the event loop's CPU per /predict request, measured per thread from /proc (results §19.3)
+REQUEST_CORE_MS = 0.6  # the event loop's CPU per /predict request, measured per thread from /proc (docs/results.md, "The worker's heap")
 CHEAP_FACTOR = 2.0  # a model under CHEAP_FACTOR × REQUEST_CORE_MS an image is bound by the event loop
 WORKER_MB = 1024  # memory a worker may come to hold (one reached ~1,000 MB under the soak): a second needs it free
 CPU_LANES = 3  # lanes of one worker on a CPU of 2+ cores (3 > 2 on the ResNet-8 in three runs of four)

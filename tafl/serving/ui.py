@@ -40,6 +40,7 @@ from tafl.imaging.heatmap import jet, overlay
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, plain_summary, site_rows, training_shares
 from tafl.packaging.summary import finite as _num
 from tafl.errors import TaflError
+from tafl.privacy_text import privacy_summary
 from tafl.serving.context import STATIC_CACHE_MAX, ServingState, of
 from tafl.serving.http import error_response, request_id
 from tafl.serving.routing import Call, endpoint
@@ -261,13 +262,9 @@ def _signature(pkg) -> str:
     return "unsigned; signatures are not required here (no TAFL_TRUSTED_KEYS)"
 
 
-def privacy_summary(p: dict[str, Any] | None) -> str:
-    """One line for people: the guarantee the training gave each site's images, or that there was none."""
-    if not p or p.get("epsilon") is None:
-        how = "summed by SecAgg+" if (p or {}).get("secure_aggregation") else "in plaintext"
-        return f"no differential privacy (the sites sent exact updates and statistics, {how})"
-    agg = ", sums via SecAgg+" if p.get("secure_aggregation") else ""
-    return f"ε = {p['epsilon']:.3g}, δ = {p['delta']:.0e} per {p.get('unit') or 'record'} ({p.get('accountant', '')}{agg})"
+def _or(v: Any) -> Any:
+    """A recorded value, or "?" where the package does not say."""
+    return "?" if v is None else v
 
 
 def _static_view(st: ServingState, model, index: int) -> dict[str, Any]:
@@ -280,51 +277,51 @@ def _static_view(st: ServingState, model, index: int) -> dict[str, Any]:
         hit = st.page_cache.get(key)
     if hit is not None:
         return hit
-    meta = pkg.metadata
+    meta = pkg.meta
     names = pkg.class_names
     uid = f"m{index}-{hashlib.sha1(f'{pkg.name}:{pkg.version}'.encode()).hexdigest()[:8]}"
-    met = meta.get("metrics") or {}
-    acc = met.get("accuracy") or {}
-    per_class = met.get("per_class_accuracy") or [None] * len(names)
-    counts = (meta.get("training") or {}).get("train_class_counts") or [None] * len(names)
-    source = ((meta.get("prior") or {}).get("source_prior")) or []
+    met = meta.metrics
+    acc = met.accuracy
+    per_class = met.per_class_accuracy or [None] * len(names)
+    counts = meta.training.train_class_counts or [None] * len(names)
+    source = (meta.prior.source_prior if meta.prior else None) or []
     # the training mix is the training images' class shares, by the same rule as `tafl score`'s training share;
     # the source prior (the mix the probabilities assume) is shown beside it only where it differs
     shares = training_shares(meta) or [None] * len(names)
     assumed = [_num(source[i]) if i < len(source) else None for i in range(len(names))]
     differs = any(a is not None and (t is None or abs(a - t) > ASSUMED_GAP) for a, t in zip(assumed, shares))
-    parent = meta.get("parent") or {}
+    parent = meta.parent
     lineage = []
-    if meta.get("parent_version"):
-        lineage.append(f"retrained from {parent.get('name') or pkg.name} {meta['parent_version']}"
-                       + (f" (model.onnx sha256 {parent['model_sha256'][:16]}…)" if parent.get("model_sha256") else ""))
+    if meta.parent_version:
+        lineage.append(f"retrained from {parent.name or pkg.name} {meta.parent_version}"
+                       + (f" (model.onnx sha256 {parent.model_sha256[:16]}…)" if parent.model_sha256 else ""))
     else:
         lineage.append("first version (no parent package)")
-    run = (meta.get("training") or {}).get("run_config") or {}
+    run = meta.training.run
     view = {
-        "uid": uid, "name": pkg.name, "version": pkg.version, "method": meta.get("method"),
-        "backbone": meta.get("backbone"), "created": meta.get("created"), "tafl_version": meta.get("tafl_version"),
-        "task": meta.get("task"), "lineage": lineage,
-        "training": (f"{run.get('dataset', '?')}, {run.get('clients', '?')} clients, {run.get('rounds', '?')} rounds, "
-                     f"model from round {(meta.get('training') or {}).get('round', '?')}") if run else None,
-        "privacy": privacy_summary(meta.get("privacy")),
+        "uid": uid, "name": pkg.name, "version": pkg.version, "method": meta.method,
+        "backbone": meta.backbone, "created": meta.created, "tafl_version": meta.tafl_version,
+        "task": meta.task, "lineage": lineage,
+        "training": (f"{_or(run.dataset)}, {_or(run.clients)} clients, {_or(run.rounds)} rounds, "
+                     f"model from round {_or(meta.training.round)}") if run else None,
+        "privacy": privacy_summary(meta.privacy.to_json()),
         "checksums": sorted(pkg.files.items()), "model_sha256": pkg.files.get("model.onnx", "?"),
-        "signature": _signature(pkg), "heatmap": meta.get("heatmap"),
-        "experts": [e.get("name") for e in meta.get("experts") or []],
-        "vote_rule": (meta.get("vote") or {}).get("rule"),
-        "metrics_source": met.get("source"), "has_metrics": bool(acc),
-        "average": pct(met.get("average_accuracy")),
+        "signature": _signature(pkg), "heatmap": meta.heatmap,
+        "experts": meta.expert_names,
+        "vote_rule": meta.vote.rule if meta.vote else None,
+        "metrics_source": met.source, "has_metrics": bool(acc),
+        "average": pct(met.average_accuracy),
         "accuracy_rows": [(k, pct(acc.get(k))) for k in DISTRIBUTIONS],
-        "accuracy_svg": accuracy_chart(acc, met.get("average_accuracy"), f"{uid}-acc",
+        "accuracy_svg": accuracy_chart(acc, met.average_accuracy, f"{uid}-acc",
                                        f"{pkg.name} {pkg.version}") if acc else None,
-        "uniform_metrics": [(k.replace("_", " "), pct(v)) for k, v in (met.get("uniform_metrics") or {}).items()
+        "uniform_metrics": [(k.replace("_", " "), pct(v)) for k, v in met.uniform_metrics.items()
                             if _num(v) is not None],
         "classes": names, "class_rows": [
             {"index": i, "name": c, "train_images": counts[i] if i < len(counts) and counts[i] is not None else "—",
              "accuracy": pct(per_class[i] if i < len(per_class) else None),
              "train_share": shares[i], "assumed": assumed[i]} for i, c in enumerate(names)],
         "card": render_card(st, pkg.card),
-        "intended_use": meta.get("intended_use"),
+        "intended_use": meta.intended_use,
         "summary": plain_summary(meta), "distributions_note": DISTRIBUTIONS_NOTE, "assumed_differs": differs,
         "site_rows": [{**r, **{k: pct(r[k]) for k in ("own", "own_balanced", "site_mix", "adapted", "oracle")}}
                       for r in site_rows(meta)], "sites_note": SITES_NOTE,

@@ -90,7 +90,7 @@ class RunConfig:
     # --- what to train ---
     # fedavg | fedprox | creff | gtafl | dafl | lda (tafl.training.methods: the registry). lda: the sites train nothing;
     # each sends its class sums of the fixed extractor's whitened features once, and the server fits a linear
-    # discriminant head (train_scope head; under DP two Gaussian releases in all: docs/decisions.md §6.3)
+    # discriminant head (train_scope head; under DP two Gaussian releases in all: docs/decisions.md, "Method lda")
     method: str = "fedavg"
     # --- data ---
     dataset: str = "digits"  # digits (embedded) | a MedMNIST flag (dermamnist, ...) | folder
@@ -150,26 +150,26 @@ class RunConfig:
     # --- calibration and prior-aware inference (tafl.prior) ---
     # calibration fitted federatedly after training, on the clients' held-out rows (only NLL sums, gradients and
     # Hessians of at most 2C numbers leave a client): none | temperature | bcts (temperature and per-class biases) |
-    # vector (per-class scales and biases; docs/decisions.md §2.4)
+    # vector (per-class scales and biases; docs/decisions.md, "EM's error is calibration bias")
     calibration: str = "none"
     calib_holdout: float = 0.0  # share of every client's rows held out of training for the calibration; 0: none
     # which rows: rows (at random, the client's mix) | classes (the same number shared evenly among the client's
-    # classes, each giving at most 30 % of its rows: more rare-class images for the fit; docs/decisions.md §2.7)
+    # classes, each giving at most 30 % of its rows: more rare-class images for the fit; docs/decisions.md, "Class-balanced hold-out")
     calib_holdout_mode: str = "rows"
     calib_rounds: int = 25  # calibration Newton rounds at most
     calib_l2: float = 1.0  # L2 penalty on the biases and on the spread of vector scaling's per-class scales
     # the plain decision's operating point: argmax | validation (label = argmax(z − τ·log π), τ chosen on the
     # validation split by its uniform-prior macro F1: post-hoc logit adjustment, tafl.training.decision; the
     # probabilities are unchanged). GTAFL and CReFF: every expert's bias moves by the same −τ·log π, τ from −1 to 1
-    # chosen by the vote's validation macro F1 (the experts' probabilities carry the move; docs/decisions.md §5.5)
+    # chosen by the vote's validation macro F1 (the experts' probabilities carry the move; docs/decisions.md, "Shifted experts")
     decision: str = "argmax"
     adapt_sizes: str = "100,500"  # unlabeled images per prior estimate in the evaluation, comma-separated
     adapt_draws: int = 5  # draws of unlabeled images per distribution and size in the evaluation
     # the case-mix estimator's Dirichlet smoothing toward the uniform mix, in pseudo-images (tafl.prior.PriorEstimator):
-    # auto (chosen on the validation split among tafl.prior.SMOOTHING_GRID, docs/decisions.md §2.6) or a number >= 0
+    # auto (chosen on the validation split among tafl.prior.SMOOTHING_GRID, docs/decisions.md, "The smoothed estimator") or a number >= 0
     # (0: the maximum-likelihood EM)
     prior_smoothing: str | float = "auto"
-    # --- privacy (tafl.training.privacy, docs/design.md §privacy) ---
+    # --- privacy (tafl.training.privacy, docs/design.md, "What leaves a site") ---
     # record-level differential privacy: the run's ε per training image at every site, over the whole run (every
     # round, every release); null (or inf): no DP. DP-SGD (Opacus) trains each client, its class counts and its
     # class statistics and expert gradients are released with Gaussian noise, one RDP accountant bounds them all
@@ -178,7 +178,7 @@ class RunConfig:
     dp_clip: float = 1.0  # DP-SGD's per-image gradient norm bound
     # the per-image feature norm bound of released class statistics and expert gradients, per √(feature dimension):
     # F = dp_feature_clip·√D (the GroupNorm ResNet-8's per-image feature norm is about 0.74·√D at its median;
-    # docs/results.md §16)
+    # docs/results.md, "What leaves a site")
     dp_feature_clip: float = 0.8
     # the statistics releases' noise multiplier over DP-SGD's (they are not subsampled: each costs far more budget
     # than a DP-SGD step at the same multiplier)
@@ -189,7 +189,7 @@ class RunConfig:
     # features of their images as they are, in a whitened basis of head_basis_dim directions the server computes from
     # its unlabeled pool; the extractor stays as the server made it: its seeded initialisation, --pretrain-steps,
     # GTAFL's SimCLR). null: head with --dp-epsilon (DP-SGD's noise grows with the square root of the parameters it
-    # trains: docs/decisions.md §6.2), all without
+    # trains: docs/decisions.md, "The head under DP"), all without
     train_scope: str | None = None
     head_basis_dim: int = 64  # train_scope head: the server pool's principal directions the sites' head step spans
     # server-side SimCLR steps on the unlabeled server pool (simclr_pool) before round 1, which spend no site's privacy
@@ -313,7 +313,7 @@ class RunConfig:
         values whichever method runs."""
         bad = self.bad
         own = self.settings() if self.method in method_names() else MethodConfig()  # unknown: refused below
-        if self.train_scope is None:  # DP-SGD trains the head only unless told otherwise (docs/decisions.md §6.2)
+        if self.train_scope is None:  # DP-SGD trains the head only unless told otherwise (docs/decisions.md, "The head under DP")
             private = self.dp_epsilon is not None and not (math.isinf(self.dp_epsilon) and self.dp_epsilon > 0)
             self.train_scope = own.default_train_scope(private)
         for key, allowed in choices().items():

@@ -10,7 +10,7 @@ calibrated logits. τ is chosen on the validation split by the macro F1 under a 
 
 Only the label moves: the probabilities stay the model's posteriors under the training mix, which is
 what calibration, prior estimation and an explicit prior work on (an explicit or estimated prior
-decides by the Bayes rule, without this offset). docs/decisions.md §3.
+decides by the Bayes rule, without this offset). docs/decisions.md, "The plain decision's operating point".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The class-wise expert ensemble: experts on shared features, combined by a vote.
 
-Rules (docs/design.md §4): `hard` — each expert votes its argmax with weight w_e; the class with the
+Rules (docs/design.md, "GTAFL"): `hard` — each expert votes its argmax with weight w_e; the class with the
 most weight wins; ties go to the uniform expert (a bonus smaller than any weight difference is
 added to the uniform expert's class, so the rule is one argmax and exports as ONNX operators).
 `soft` — argmax of the weighted mean of the experts' probabilities. `confidence` — each expert

@@ -1,4 +1,4 @@
-"""Evaluation over the eleven test distributions (docs/design.md §3).
+"""Evaluation over the eleven test distributions (docs/design.md, "Data and the evaluation protocol").
 
 Inference runs once over the whole test split; everything else is derived from its outputs:
 - per distribution, the prior-weighted accuracy Σ_c π_c·acc_c (acc_c on the whole test split,

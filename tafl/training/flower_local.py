@@ -6,6 +6,10 @@ By default (`warm=True`) each SuperNode runs with `--isolation process` beside o
 ClientApp process (`python -m tafl.training.flower`, see `flower.serve_clientapp`) that executes
 all its messages: torch is imported and the node's data prepared once per run, not once per
 message. `warm=False` keeps Flower's default, a fresh `flwr-clientapp` process per message.
+
+`run` hands `flwr run` the Flower App folder, by default `APP_DIR`: deploy/flower of a source checkout (its
+pyproject.toml names tafl's ServerApp and ClientApp; the components themselves are in the installed tafl). A
+wheel does not ship deploy/, so from an installed tafl pass `app_dir` a copy of that folder.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from tafl.errors import ServiceUnavailable
 from tafl.procs import free_port, kill_group, start_group, stop_group, wait_http
 from tafl.settings import child_environment, env_str
 
-APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "flower"
+APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "flower"  # a source checkout's deploy/flower (not in a wheel)
 
 
 def _bin(name: str) -> str:

@@ -320,7 +320,7 @@ def bank_log_mix(banks: GFFBanks) -> torch.Tensor:
 
 def balanced_experts(banks: GFFBanks, W: torch.Tensor, b: torch.Tensor, epochs: int, lr: float, batch: int,
                      gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Experts that specialise by construction (`expert_form: shifted`, docs/decisions.md §5.5).
+    """Experts that specialise by construction (`expert_form: shifted`, docs/decisions.md, "Shifted experts").
 
     Each bank trains a head on the logit-adjusted loss, so each estimates the same class-balanced scorer; their
     mean is the shared head, and expert e is that head plus log(bank e's class shares): the forward expert's

@@ -1,4 +1,4 @@
-"""Long-tailed training sets, client partitions and the eleven test distributions (docs/design.md §3).
+"""Long-tailed training sets, client partitions and the eleven test distributions (docs/design.md, "Data and the evaluation protocol").
 
 - `class_ranks`: classes ranked by training frequency (rank 0 = most frequent; ties by index).
 - `longtail_counts` / `make_longtail`: exponential decay n_c = n_max · IF^(−rank/(C−1)).
@@ -145,7 +145,7 @@ def holdout_split(parts: list[np.ndarray], frac: float, seed: int, labels: np.nd
     `classes` (needs `labels`): the same number, frac·n, shared evenly among the classes the client holds, each class
     giving at most HOLDOUT_CLASS_CAP of its rows; what a capped class cannot give is not made up by the others. The
     rare classes, whose calibration rests on a handful of images under `rows`, get several times more; the common
-    ones give fewer (docs/decisions.md §2.7). Only the client's own labels are read, so a Flower site can do it:
+    ones give fewer (docs/decisions.md, "Class-balanced hold-out"). Only the client's own labels are read, so a Flower site can do it:
     `first_client` is the id of parts[0] (a site holding only its own rows draws what the simulator draws for it)."""
     if frac <= 0:
         return parts, [np.zeros(0, np.int64) for _ in parts]

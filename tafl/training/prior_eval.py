@@ -12,7 +12,7 @@ from tafl.training.contract import GlobalState, Method
 from tafl.training.data import Dataset
 
 
-GAP_BOOT = 200  # bootstrap replicates of the test report's gap to the oracle (docs/decisions.md §2.8)
+GAP_BOOT = 200  # bootstrap replicates of the test report's gap to the oracle (docs/decisions.md, "The test split's resolution")
 
 
 def prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState, cfg: RunConfig,

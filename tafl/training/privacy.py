@@ -1,4 +1,4 @@
-"""Record-level differential privacy for everything a client sends (docs/design.md §privacy).
+"""Record-level differential privacy for everything a client sends (docs/design.md, "What leaves a site").
 
 The unit is one record: one training image at a site. With `dp_epsilon` set, each client
 

@@ -1,4 +1,4 @@
-"""The run driver of docs/design.md §2: `train` prepares a run (tafl.training.prepare), runs its rounds
+"""The run driver of docs/design.md, "Federated learning": `train` prepares a run (tafl.training.prepare), runs its rounds
 (tafl.training.rounds) over a transport (in-process by default; Flower's engine passes its own), then finishes the
 kept model and writes its report.
 

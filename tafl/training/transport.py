@@ -1,4 +1,4 @@
-"""How the server reaches its clients: the only thing the two engines do differently (docs/design.md §2).
+"""How the server reaches its clients: the only thing the two engines do differently (docs/design.md, "Federated learning").
 
 The round loop in `simulator` talks to a `Transport`: a census of every client's statistics
 before training, the statistics of a round's participants, and their `client_update` results.

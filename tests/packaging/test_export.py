@@ -48,7 +48,7 @@ def test_package_matches_pytorch_on_real_images(which, request):
     assert np.abs(got["heatmap"] - ref["heatmap"]).max() <= 1e-3
     assert got["heatmap"].shape == (16, pkg.preprocess.size, pkg.preprocess.size)
     if which == "gtafl":
-        assert pkg.expert_names == ["forward", "uniform", "backward"] and vote["rule"] == "hard"
+        assert pkg.expert_names == ["forward", "uniform", "backward"] and vote.rule == "hard"
         assert np.array_equal(got["expert_labels"], ref["expert_labels"])
         assert got["expert_probs"].shape == (16, 3, 10) and got["votes"].shape == (16, 10)
         assert pkg.metadata["heatmap"].startswith("class activation map")

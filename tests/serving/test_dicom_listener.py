@@ -302,7 +302,7 @@ def test_both_ends_of_the_listener_turn_nagle_off(gtafl_pkg, tmp_path):
         assert not nodelay(assoc)  # pynetdicom's own default is Nagle on: the check above can fail
         assoc.release()
         pkg = load_package(gtafl_pkg)
-        algo = dicom_sr.Algorithm.from_metadata(pkg.metadata, pkg.files.get("model.onnx", ""))
+        algo = dicom_sr.Algorithm.from_metadata(pkg.meta, pkg.files.get("model.onnx", ""))
         src = instances(SOURCES[:1], 1, seed="nodelay")[0]
         sr, _ = dicom_sr.build(src, dicom_sr.Finding(0, 0.9), algo)
         deliverer.deliver([sr])

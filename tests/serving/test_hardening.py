@@ -51,7 +51,7 @@ def tight(odd_pkg, tmp_path_factory):
     base = tmp_path_factory.mktemp("svc_tight")
     env = {"BENTOML_HOME": str(base / "home"), "TAFL_AUDIT_LOG": str(base / "audit.jsonl"),
            "TAFL_MAX_REQUEST_FRAMES": "6", "TAFL_MAX_BATCH": "4", "TAFL_MAX_CONCURRENCY": "2",
-           "TAFL_MODEL_LANES": "2"}
+           "TAFL_MODEL_LANES": "2", "TAFL_WORKERS": "1"}  # one worker: /models shows the batches it answered
     with ServerProcess([str(odd_pkg)], env=env, log_path=base / "service.log") as srv:
         srv.audit, srv.log = base / "audit.jsonl", base / "service.log"
         yield srv

@@ -1,5 +1,6 @@
 """Prior-aware decisions in the real service (issue 13): prior=train|adaptive|explicit, the case-mix window,
-its fallback when too few images stand behind it, and what /models and /metrics show."""
+its fallback when too few images stand behind it, and what /models and /metrics show. Each service here runs one
+worker (TAFL_WORKERS=1): the case-mix window is a worker's, and these tests read the window they filled."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def prior_server(gtafl_pkg, tmp_path_factory):
     from tafl.serving.launch import ServerProcess
 
     log = tmp_path_factory.mktemp("svc_prior") / "service.log"
-    env = {"BENTOML_HOME": str(tmp_path_factory.mktemp("bentoml_home_prior")), "TAFL_PRIOR_WINDOW": "64",
+    env = {"BENTOML_HOME": str(tmp_path_factory.mktemp("bentoml_home_prior")), "TAFL_WORKERS": "1", "TAFL_PRIOR_WINDOW": "64",
            "TAFL_PRIOR_REFRESH": "4", "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES)}
     with ServerProcess([str(gtafl_pkg)], env=env, log_path=log) as srv:
         yield srv
@@ -118,7 +119,7 @@ def test_a_model_whose_validation_says_adaptation_hurts_is_not_adapted(gtafl_run
     check = pkg.metadata["prior"]["adaptive_check"]
     assert check["recommended"] is False and "26.0 % against 48.0 %" in check["why"]
     assert any("prior=adaptive is off" in line for line in pkg.metadata["limitations"])
-    env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_PRIOR_ADAPTIVE": "checked", "TAFL_PRIOR_WINDOW": "64",
+    env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_WORKERS": "1", "TAFL_PRIOR_ADAPTIVE": "checked", "TAFL_PRIOR_WINDOW": "64",
            "TAFL_PRIOR_REFRESH": "4", "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES)}
     with ServerProcess([str(tmp_path / "pkg")], env=env, log_path=tmp_path / "service.log") as srv:
         for i in range(3 * MIN_IMAGES):
@@ -159,7 +160,7 @@ def test_a_package_with_an_operating_point_decides_there_and_says_so(dafl_run, t
     pkg = export_checkpoint(path, tmp_path / "pkg", name="derm-op")
     assert pkg.metadata["decision"]["tau"] == 0.5
     sess = pkg.session(providers=["CPUExecutionProvider"])
-    with ServerProcess([str(tmp_path / "pkg")], env={"BENTOML_HOME": str(tmp_path / "bentoml_home")},
+    with ServerProcess([str(tmp_path / "pkg")], env={"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_WORKERS": "1"},
                        log_path=tmp_path / "service.log") as srv:
         moved = 0
         for i in range(10):
@@ -230,7 +231,7 @@ def test_a_site_gives_its_own_class_mix_as_the_centre_of_the_case_mix_estimate(g
         preflight([str(tmp_path / "pkg")], port=0)
     monkeypatch.delenv("TAFL_SITE_MIX")
 
-    env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_PRIOR_WINDOW": "64", "TAFL_PRIOR_REFRESH": "4",
+    env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_WORKERS": "1", "TAFL_PRIOR_WINDOW": "64", "TAFL_PRIOR_REFRESH": "4",
            "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES), "TAFL_SITE_MIX": spec}
     with ServerProcess([str(tmp_path / "pkg")], env=env, log_path=tmp_path / "service.log") as srv:
         # prior=site: every image decided for the site's own mix at once, as an explicit prior of that mix would be

@@ -156,7 +156,7 @@ def test_plain_summary_opens_each_model_and_the_card(server, gtafl_pkg, dafl_pkg
         for word in ("forward", "backward", "Dirichlet", "total variation", "TV", "prior", "ensemble"):
             assert word not in text, word
         card = pkg.card
-        assert card.startswith(f"# {pkg.name} {pkg.version}\n\n" + "\n".join(summary_markdown(meta)) + "\n")
+        assert card.startswith(f"# {pkg.name} {pkg.version}\n\n" + "\n".join(summary_markdown(pkg.meta)) + "\n")
     assert "<h2>In short</h2>" in html  # the card, rendered below, opens with it too
 
 

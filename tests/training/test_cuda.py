@@ -1,4 +1,4 @@
-"""Training on a GPU (`--device cuda`): the paths that broke only there (docs/results.md §18). Each test skips where
+"""Training on a GPU (`--device cuda`): the paths that broke only there (docs/results.md, "The CUDA path on a lent GPU"). Each test skips where
 no CUDA device is visible, so CI's CPU machines skip them; `benchmarks/device_cuda.sh` runs them on a lent GPU."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GTAFL's experts specialise by construction (`expert_form: shifted`, docs/decisions.md §5.5), and GTAFL's vote can
+"""GTAFL's experts specialise by construction (`expert_form: shifted`, docs/decisions.md, "Shifted experts"), and GTAFL's vote can
 take a validation-chosen move of every expert (`decision: validation`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a site trains (`train_scope`, docs/decisions.md §6.2): with 'head' the extractor never moves on a site, the
+"""What a site trains (`train_scope`, docs/decisions.md, "The head under DP"): with 'head' the extractor never moves on a site, the
 head's step lives in the server's whitened basis and folds back exactly, DP defaults to it, and the server can
 pre-train the extractor by SimCLR on its own unlabeled images."""
 

@@ -156,7 +156,7 @@ class ClassifierMethod(Method):
 
     def pretrain(self, model: Classifier) -> dict[str, Any]:
         """`pretrain_steps` of SimCLR on the server's unlabeled pool, before round 1, on `model`'s extractor in
-        place: data that spend no site's privacy budget (docs/decisions.md §6.2). Returns what the report records."""
+        place: data that spend no site's privacy budget (docs/decisions.md, "The head under DP"). Returns what the report records."""
         from tafl.training.simclr import ProjectionHead, simclr_refine
 
         cfg = self.cfg

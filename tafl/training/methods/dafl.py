@@ -1,4 +1,4 @@
-"""ViT-DAFL (docs/design.md §5): dynamic adaptive focal loss and imbalance-aware aggregation.
+"""ViT-DAFL (docs/design.md, "ViT-DAFL"): dynamic adaptive focal loss and imbalance-aware aggregation.
 
 Client k sends its class counts and c_k = mean_i (N_k − n_{k,i}) / max(n_{k,i}, 1) (the guard
 keeps a missing class from weighing 10⁶). The server computes, from the round's participants,
@@ -13,7 +13,7 @@ same for every sample of a client, so the loss is 50-77× cross-entropy (SGD at 
 the class term moves the relative class weights about 2×. `dafl_scale: mean` (the default) writes
 the weight as the λ-mixture of (1 + c_k) and (1 + c_{f,t}) and divides each part by its mean (over
 the round's clients, over the round's samples): both average 1, the loss stays at cross-entropy's
-scale, and the class part is the balanced class weight N/(C·n_t) (docs/design.md §5.1).
+scale, and the class part is the balanced class weight N/(C·n_t) (docs/design.md, "A ViT that trains from scratch").
 """
 
 from __future__ import annotations

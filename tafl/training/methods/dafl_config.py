@@ -1,4 +1,4 @@
-"""ViT-DAFL's own settings (tafl.training.methods.dafl, docs/design.md §5) and what it needs of the shared ones;
+"""ViT-DAFL's own settings (tafl.training.methods.dafl, docs/design.md, "ViT-DAFL") and what it needs of the shared ones;
 torch-free, so the command line and config validation read them without the training stack."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class DAFLConfig(MethodConfig):
     gamma_max: float = 5.0  # learnable γ is clamped to [0, gamma_max] (unclamped it grows without bound)
     dafl_lambda: float = 0.5  # λ in c_{f,t} = λ·c_k + (1 − λ)·c_{f,t}
     # scale of the two DAFL terms: mean (c_k over the mean of the round's clients' c_k, c_{f,t} over its mean
-    # across classes: both near 1, docs/design.md §5.1) | paper (the literal counts ratios, c ≈ 100 on DermaMNIST)
+    # across classes: both near 1, docs/design.md, "A ViT that trains from scratch") | paper (the literal counts ratios, c ≈ 100 on DermaMNIST)
     dafl_scale: str = "mean"
     aggregation: str = "imbalance"  # imbalance: ω_k ∝ 1/(c_k + ε); size: FedAvg's sample-count weights
 

@@ -1,4 +1,4 @@
-"""GTAFL and CReFF (docs/design.md §4): expert heads retrained on the server from global federated features.
+"""GTAFL and CReFF (docs/design.md, "GTAFL"): expert heads retrained on the server from global federated features.
 
 Client, every round: GI-GDS sampling weights from its local and the broadcast global class
 counts; the mean CE gradient per local class w.r.t. every expert head, all experts from one
@@ -11,7 +11,7 @@ mean of the expert gradients over the clients holding the class; exact per-class
 μ_c and spread σ_c from the statistics; the experts are retrained in a frame centred at κ, the
 class-balanced mean of the μ_c (the clients' gradients are converted exactly), so heads trained
 on zero-mean N(0, 1) GFF banks (m + λ·d_c features per class, persistent, gradient-matched)
-meet the real features' common mean at test time (docs/decisions.md §1); then SimCLR on the
+meet the real features' common mean at test time (docs/decisions.md, "GTAFL's experts"); then SimCLR on the
 unlabeled server pool every few rounds. After the last round a features-only finishing round
 retrains the experts at the final extractor. Inference: the experts vote.
 CReFF is this code with one uniform expert, the raw frame, no finishing round and neither

@@ -1,4 +1,4 @@
-"""GTAFL's and CReFF's own settings (tafl.training.methods.gtafl, docs/design.md §4); torch-free, so the command line
+"""GTAFL's and CReFF's own settings (tafl.training.methods.gtafl, docs/design.md, "GTAFL"); torch-free, so the command line
 and config validation read them without the training stack. The four ablation switches are the paper's Table IV CR,
 EN, CL, GS. The server pool's SimCLR settings shared with pre-training (simclr_pool, simclr_batch, simclr_tau,
 simclr_proj_dim) are the run's (tafl.training.config.RunConfig)."""
@@ -65,13 +65,13 @@ class GTAFLConfig(MethodConfig):
     # for one last expert retraining (no local training); 0 turns this finishing round off; null: 1 for gtafl,
     # 0 for creff (as published)
     final_round_frac: float | None = None
-    # the head that client gradients and GFF matching are computed at: each expert's own (docs/design.md §4),
+    # the head that client gradients and GFF matching are computed at: each expert's own (docs/design.md, "GTAFL"),
     # or the uniform expert's for every bank (a diagnostic for the experts' inverted specialisation)
     match_head: str = "own"
     # how the experts are built from their banks: shifted = one class-balanced head learned from every bank with the
     # logit-adjusted loss, each expert that head plus log(its bank's class shares), so forward leans to the head
     # classes and backward to the tail by construction | trained = each expert its own head trained by plain CE on
-    # its bank (the paper's; its lean then depends on how separable the banks are: docs/decisions.md §5.5)
+    # its bank (the paper's; its lean then depends on how separable the banks are: docs/decisions.md, "Shifted experts")
     expert_form: str = "shifted"
     # how the experts combine: hard (uniform expert breaks ties) | soft | confidence | learned (soft with per-expert
     # weights learned on the server from the GFF banks over the eleven test priors)

@@ -1,4 +1,4 @@
-"""The head basis and the feature cache a method composes for `train_scope: head` (docs/decisions.md §6.2).
+"""The head basis and the feature cache a method composes for `train_scope: head` (docs/decisions.md, "The head under DP").
 
 With `train_scope: head` the sites train only the classifier head, on the fixed extractor's features of their
 images, as a step in a whitened basis the server computes from its unlabeled pool (`HeadBasis`, sent in the round's
@@ -49,7 +49,7 @@ class BasisHead(nn.Module):
     leading principal directions scaled to unit variance). The head becomes W + A·P, b + a − A·P·μ: the logits are
     the round's W·f + b plus A·P(f − μ) + a. A, a start at zero. Whitening makes plain SGD well conditioned (a
     fixed extractor's features share a mean far larger than their spread: 11.3 against 0.15 a dimension on
-    DermaMNIST), and DP-SGD's noise grows with √(k·C), not √(D·C) (docs/decisions.md §6.2). The inputs are the
+    DermaMNIST), and DP-SGD's noise grows with √(k·C), not √(D·C) (docs/decisions.md, "The head under DP"). The inputs are the
     rows [P(f − μ), W·f + b], computed once per round, so a step reads no image."""
 
     def __init__(self, k: int, num_classes: int, mean: torch.Tensor, proj: torch.Tensor):

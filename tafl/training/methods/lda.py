@@ -1,5 +1,5 @@
 """LDA: a linear-discriminant classifier head fitted on the server from the sites' class feature sums, one release
-per site (docs/decisions.md §6.3).
+per site (docs/decisions.md, "Method lda").
 
 The extractor is fixed (`train_scope: head`: its seeded initialisation, or `--pretrain-steps` of SimCLR on the
 server's unlabeled pool), and the server sends the round's head basis: the pool's feature mean μ and the whitening
@@ -7,7 +7,7 @@ projection P onto its leading principal directions (`head_basis.HeadBasis`). A s
 is selected it sends, per class, the sum of its images' whitened features x = P(f − μ); its class counts are the
 census's. Under record-level DP every x is clipped to norm F = dp_feature_clip·√k and the sums carry Gaussian noise
 of σ = z·F (sensitivity F), with the census's own noise on the counts: two Gaussian releases over the whole run, so
-the noise is set for those two alone, not for hundreds of DP-SGD steps (docs/results.md §16.4). A site selected again
+the noise is set for those two alone, not for hundreds of DP-SGD steps (docs/results.md, "Method lda"). A site selected again
 re-sends the same release, which costs no budget.
 
 The server keeps each site's latest sums, and after every round fits, over every site heard so far,
