@@ -123,13 +123,6 @@ RAW_METADATA_OK = {  # where the raw `.metadata` dict may be used, with the reas
     "tafl/packaging/package.py": "ModelPackage keeps it; `tafl list` hands it to metadata.listing",
     "tafl/serving/runtime.py": "GET /models returns metadata.json as written",
 }
-# files the rules below still find something in, each named with who moves it (a stale entry fails the test)
-PENDING = {
-    "tafl/cli.py": "cmd_export prints pkg.metadata['verification'] by key, and `serve` and `score` read and write "
-                   "os.environ: the training side's part of issue 52 moves them to pkg.meta and tafl.settings",
-    "tafl/training/data.py": "TAFL_CACHE: the training side's part of issue 52",
-    "tafl/training/flower_local.py": "the SuperLink's environment: the training side's part of issue 52",
-}
 
 
 def _is_meta(node: ast.AST, tainted: set[str]) -> bool:
@@ -240,7 +233,7 @@ def test_package_metadata_is_read_by_attribute_outside_the_schema_module():
                 if _checked(rel) else [])
         if hits:
             found[rel] = hits
-    wrong = {rel: hits for rel, hits in found.items() if rel not in PENDING}
+    wrong = {rel: hits for rel, hits in found.items()}
     assert not wrong, "package metadata read by string key (use pkg.meta's attributes):\n" + "\n".join(
         f"{rel}:{hit}" for rel, hits in wrong.items() for hit in hits)
 
@@ -294,7 +287,7 @@ def environment_reads(source: str) -> list[str]:
 def test_the_environment_is_read_in_the_settings_modules_only():
     found = {rel: hits for rel, text in _tafl_files().items()
              if rel not in SETTINGS_MODULES and (hits := environment_reads(text))}
-    wrong = {rel: hits for rel, hits in found.items() if rel not in PENDING}
+    wrong = {rel: hits for rel, hits in found.items()}
     assert not wrong, "os.environ outside tafl/settings.py and tafl/serving/settings.py (add a function there):\n" + \
         "\n".join(f"{rel}:{hit}" for rel, hits in wrong.items() for hit in hits)
 
@@ -304,11 +297,3 @@ def test_the_environment_rule_sees_every_way_in():
     assert [int(h.split(":")[0]) for h in environment_reads(planted)] == [2, 3, 4, 5]
     assert environment_reads("import os\np = os.path.join('a', 'b')\n") == []
 
-
-def test_every_pending_exemption_is_still_needed():
-    """PENDING names files the rules still find something in; once they are fixed, the entry must go."""
-    files = _tafl_files()
-    for rel in PENDING:
-        text = files.get(rel, "")
-        hits = environment_reads(text) + metadata_key_reads(text) + raw_metadata_uses(text)
-        assert hits, f"{rel} no longer reads the environment or metadata by key: remove it from PENDING"
