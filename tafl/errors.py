@@ -103,6 +103,13 @@ class UnprocessableImage(ServiceError):
     status = 422
 
 
+class OutsideDomain(ServiceError):
+    """The image's DICOM header contradicts the domain the model was trained on (a CT slice sent to a dermoscopy
+    model): refused before the model runs, with the reason (422)."""
+
+    status = 422
+
+
 class ServiceUnavailable(ServiceError):
     status = 503
 

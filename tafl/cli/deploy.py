@@ -24,11 +24,13 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
     pkg = export_checkpoint(ns.checkpoint, ns.out, name=ns.name, parent=ns.parent, images=ns.images,
                             data_root=ns.data_root, force=ns.force, to_bentoml=ns.to_bentoml,
-                            sign_key=ns.sign_key, class_codes=ns.class_codes)
+                            sign_key=ns.sign_key, class_codes=ns.class_codes, domain=ns.domain)
     v = pkg.meta.verification
     print(f"{pkg.name} {pkg.version} -> {pkg.path} (parent {pkg.meta.parent_version or 'none'}); "
           f"ONNX Runtime vs PyTorch: max |dprob| {v.max_abs_prob_diff:.1e}, max |dheatmap| "
           f"{v.max_abs_heatmap_diff:.1e}")
+    print(f"input domain: {pkg.meta.domain.describe()}" + ("; a DICOM whose header contradicts it is refused"
+                                                           if pkg.meta.domain else ""))
     print(f"signed by key {pkg.signed_by} (SHA256SUMS.sig)" if pkg.signed_by else
           "unsigned (services with TAFL_TRUSTED_KEYS refuse it; sign with --sign-key)")
     if ns.to_bentoml:

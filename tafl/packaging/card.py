@@ -71,6 +71,8 @@ def render_card(m: PackageMetadata) -> str:
     lines += ["", "## Input", "", f"`{inp.name}`: float32 {list(inp.shape)}; "
               f"{inp.preprocessing} (size {pre.size}, {pre.channels} channel(s), mean "
               f"{[round(v, 4) for v in pre.mean]}, std {[round(v, 4) for v in pre.std]}).", "",
+              f"Input domain: {m.domain.describe()}." + (" A DICOM whose Modality, SOP class or colour contradicts it "
+                                                         "is refused before the model runs." if m.domain else ""), "",
               "## Outputs", "", "| name | shape | type | meaning |", "|---|---|---|---|"]
     for o in m.outputs:
         lines.append(f"| `{o.name}` | {list(o.shape)} | {o.dtype} | {o.description} |")

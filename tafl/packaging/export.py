@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import nn
 import tafl
 from tafl.errors import ConfigError, PackageError
 from tafl.packaging.card import render_card
+from tafl.packaging.domain import resolve as resolve_domain
 from tafl.packaging.metadata import (SCHEMA, AdaptiveCheck, Decision, Estimator, Expert, InputSpec, Metrics,
                                      OutputSpec, PackageMetadata, Parent, PreprocessSpec, PriorSpec, Privacy,
                                      Provenance, Training, Verification, Vote)
@@ -426,11 +428,14 @@ def _limitations(ck: dict[str, Any], metrics: dict[str, Any] | None, is_vit: boo
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | None = None,
                       parent: str | Path | None = None, images: str | None = None, data_root: str | None = None,
                       force: bool = False, to_bentoml: str | None = None,
-                      sign_key: str | Path | None = None, class_codes: str | Path | None = None) -> ModelPackage:
+                      sign_key: str | Path | None = None, class_codes: str | Path | None = None,
+                      domain: list[str] | tuple[str, ...] = ()) -> ModelPackage:
     """`sign_key`: an Ed25519 private key (PEM path, `tafl keys new`) that signs SHA256SUMS; None reads
     TAFL_SIGNING_KEY (unset: the package is unsigned). `class_codes`: a JSON file mapping class names to codes
     ({"melanoma": {"value": "372244006", "scheme": "SCT", "meaning": "Malignant melanoma"}}), recorded as
-    metadata `class_codes` for DICOM SRs (tafl.imaging.dicom_sr); a class without one uses the local scheme."""
+    metadata `class_codes` for DICOM SRs (tafl.imaging.dicom_sr); a class without one uses the local scheme.
+    `domain`: `KEY=VALUE` declarations of the input domain (tafl.packaging.domain), beside what the training data
+    say; a DICOM whose header contradicts the domain is refused before the model runs."""
     from tafl.packaging.signing import TRUSTED_ENV, load_private_key
     from tafl.settings import signing_key_setting, trusted_keys_setting
     from tafl.training.checkpoint import load_checkpoint
@@ -446,6 +451,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
     mcfg = ModelConfig.from_dict(ck["model_config"])
     pre = Preprocess.from_dict(ck["preprocess"])
     lineage = _lineage(ck, parent)
+    input_domain = resolve_domain(ck.get("data_provenance") or {}, domain, lineage.get("domain"))
     pkg_name = name or lineage["name"] or f"{ck['method']}-{ck['run_config']['dataset']}"
     x = pre.normalize(_sample_images(ck, images, data_root))
     with tempfile.TemporaryDirectory(prefix=".tafl-export-", dir=out.parent if out.parent.exists() else None) as tmp:
@@ -458,6 +464,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
                          _adaptive_check(ck_path))
         if class_codes is not None:
             meta = meta.with_class_codes(_class_codes(class_codes, list(meta.class_names)))
+        meta = replace(meta, domain=input_domain)
         _write_package(tmpd, meta, ck_path, out, signer)
     # a signed package is checked against its own key; an unsigned one without keys (it is the consumer's trust
     # list that refuses it), with a warning where this environment has one
@@ -497,7 +504,8 @@ def _lineage(ck: dict[str, Any], parent: str | Path | None) -> dict[str, Any]:
     if parent_pkg is not None:
         return {"version": bump_minor(parent_pkg.version), "parent_version": parent_pkg.version,
                 "name": parent_pkg.name, "parent": {"name": parent_pkg.name, "version": parent_pkg.version,
-                                                    "model_sha256": parent_pkg.files["model.onnx"]}}
+                                                    "model_sha256": parent_pkg.files["model.onnx"]},
+                "domain": parent_pkg.meta.domain}
     if parent_info:
         return {"version": bump_minor(parent_info["version"]), "parent_version": parent_info["version"],
                 "name": parent_info["name"], "parent": parent_info}

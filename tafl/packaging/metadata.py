@@ -13,7 +13,7 @@ BentoML store read its attributes (`pkg.meta.prior.source_prior`), never the JSO
         source prior; fit, estimator (Estimator), adaptive_check (AdaptiveCheck)), heatmap
       training (Training: run (RunConfig), round, train_class_counts, class_ranks), data_provenance (Provenance),
       privacy (Privacy), metrics (Metrics: ..., sites (SiteScores, Scores)), intended_use, limitations,
-      verification (Verification)
+      verification (Verification), domain (InputDomain: the modalities, SOP classes and colour trained on)
 
 The parts are of two kinds:
 
@@ -66,6 +66,7 @@ ADDED_IN_1: dict[str, Any] = {
     "privacy": None,  # no privacy record
     "verification": None,
     "class_codes": None,  # every class in the local coding scheme (tafl.imaging.dicom_sr)
+    "domain": None,  # no recorded input domain: a DICOM header decides nothing
 }
 
 OUTPUTS = ("label", "probs", "heatmap")  # every graph
@@ -466,6 +467,80 @@ class InputSpec:
                 "preprocessing": self.preprocessing, "preprocess": self.preprocess.to_json()}
 
 
+GREYSCALE_PHOTOMETRICS = ("MONOCHROME1", "MONOCHROME2")
+COLOUR_PHOTOMETRICS = ("RGB", "YBR_FULL", "YBR_FULL_422", "YBR_ICT", "YBR_RCT", "YBR_PARTIAL_420", "PALETTE COLOR")
+COLOURS = ("colour", "greyscale")
+_CODE_RE = re.compile(r"^[A-Z0-9_]{1,16}$")  # a DICOM code string such as a Modality
+
+
+@dataclass(frozen=True)
+class InputDomain:
+    """The images the model was trained on, as a DICOM header states them (docs/design.md, "The input domain"): the
+    Modality codes, the SOP classes (by name, as pydicom names them) and colour or greyscale. A DICOM whose header
+    contradicts it is refused before the model runs (`contradiction`); an empty field, and a tag the image lacks,
+    decide nothing. `source` says where each field came from (the training data, or declared at export)."""
+
+    modalities: tuple[str, ...] = ()
+    sop_classes: tuple[str, ...] = ()
+    colour: str | None = None  # "colour" | "greyscale" | None (mixed, or unknown)
+    source: Mapping[str, str] = field(default_factory=dict)  # field -> "training data" | "declared at export"
+
+    def __bool__(self) -> bool:
+        return bool(self.modalities or self.sop_classes or self.colour)
+
+    def contradiction(self, info: Mapping[str, Any]) -> str | None:
+        """Why a decoded DICOM's header facts (`DecodedImage.info`: modality, sop_class, photometric) fall outside
+        this domain, in words a person can act on; None where nothing contradicts it."""
+        modality, sop, photometric = info.get("modality"), info.get("sop_class"), info.get("photometric")
+        if modality and self.modalities and modality not in self.modalities:
+            return (f"its Modality is {modality}, and this model was trained on {_words(self.modalities)} images "
+                    f"only ({self.source.get('modalities', 'declared')}): send it to a model for {modality} images")
+        if sop and self.sop_classes and sop not in self.sop_classes:
+            return (f"it is a {sop} object, and this model was trained on {_words(self.sop_classes)} objects only "
+                    f"({self.source.get('sop_classes', 'declared')})")
+        kind = ("greyscale" if photometric in GREYSCALE_PHOTOMETRICS else
+                "colour" if photometric in COLOUR_PHOTOMETRICS else None)
+        if kind and self.colour and kind != self.colour:
+            return (f"it is a {kind} image ({photometric}), and this model was trained on {self.colour} images "
+                    f"({self.source.get('colour', 'declared')})")
+        return None
+
+    def describe(self) -> str:
+        """The domain in one line, each part with where it came from."""
+        parts = [f"{what} ({self.source.get(name, 'declared')})" for name, what in (
+            ("colour", f"{self.colour} images" if self.colour else ""),
+            ("modalities", f"Modality {_words(self.modalities)}" if self.modalities else ""),
+            ("sop_classes", _words(self.sop_classes) if self.sop_classes else "")) if what]
+        return "; ".join(parts) if parts else "none recorded: a DICOM header decides nothing"
+
+    @classmethod
+    def read(cls, r: _Reader | None) -> InputDomain:
+        if r is None:
+            return cls()
+        mods = r("modalities", (list,), optional=True, default=[])
+        if not all(isinstance(m, str) and _CODE_RE.match(m) for m in mods):
+            r.problem("modalities", "must be a list of DICOM Modality codes (e.g. 'XC')")
+            mods = []
+        sops = r("sop_classes", (list,), optional=True, default=[])
+        if not all(isinstance(c, str) and c for c in sops):
+            r.problem("sop_classes", "must be a list of SOP class names")
+            sops = []
+        colour = r("colour", STR_OR_NULL, optional=True)
+        if colour is not None and colour not in COLOURS:
+            r.problem("colour", f"is {colour!r}, expected one of {', '.join(COLOURS)} or null")
+            colour = None
+        source = r("source", (dict,), optional=True, default={})
+        return cls(tuple(mods), tuple(sops), colour, {str(k): str(v) for k, v in source.items()})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"modalities": list(self.modalities), "sop_classes": list(self.sop_classes), "colour": self.colour,
+                "source": dict(self.source)}
+
+
+def _words(items: tuple[str, ...]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     """One graph output: name, shape (symbolic "batch" first), dtype (int64 or float32), what it means."""
@@ -588,6 +663,7 @@ class PackageMetadata:
     privacy: Privacy = field(default_factory=Privacy)
     verification: Verification = field(default_factory=Verification)
     class_codes: Any = None  # per class {"value", "scheme", "meaning"} for DICOM SRs (tafl.imaging.dicom_sr)
+    domain: InputDomain = field(default_factory=InputDomain)  # empty: no header rule (a package from before them)
     extra: Mapping[str, Any] = field(default_factory=dict)  # keys this tafl does not know, kept as they were
 
     @property
@@ -645,6 +721,7 @@ class PackageMetadata:
                    intended_use=r("intended_use", (str,)), limitations=tuple(r("limitations", (list,)) or ()),
                    verification=Verification.read(r, "verification"),
                    class_codes=r("class_codes", (object,), optional=True),
+                   domain=InputDomain.read(r.object("domain", optional=True)),
                    extra={k: v for k, v in r.obj.items() if k not in _KNOWN})
 
     def to_json(self) -> dict[str, Any]:
@@ -663,13 +740,14 @@ class PackageMetadata:
                "verification": self.verification.to_json()}
         if self.class_codes is not None:  # only where export was given codes
             out["class_codes"] = self.class_codes
+        out["domain"] = self.domain.to_json()
         return {**out, **self.extra}
 
 
 _KNOWN = frozenset(("schema", "name", "version", "parent_version", "parent", "created", "tafl_version", "method",
                     "backbone", "model_config", "task", "class_names", "input", "outputs", "experts", "vote",
                     "decision", "prior", "heatmap", "training", "data_provenance", "privacy", "metrics",
-                    "intended_use", "limitations", "verification", "class_codes"))
+                    "intended_use", "limitations", "verification", "class_codes", "domain"))
 
 
 def _check_outputs(outputs: tuple[OutputSpec, ...], ensemble: bool, r: _Reader) -> None:

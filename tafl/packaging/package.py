@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tafl.errors import PackageError
+from tafl.errors import OutsideDomain, PackageError
 from tafl.files import sha256_file
 from tafl.imaging import Preprocess
 from tafl.packaging.metadata import SCHEMA, PackageMetadata, listing, parse_version
@@ -77,6 +77,15 @@ class ModelPackage:
     @property
     def expert_names(self) -> list[str]:
         return self.meta.expert_names
+
+    def check_domain(self, decoded: Any) -> None:
+        """OutsideDomain (422) when a decoded image's DICOM header contradicts the domain this model was trained on
+        (metadata.json's `domain`): called between decoding and the model, wherever tafl classifies an image."""
+        if decoded.kind == "dicom" and self.meta.domain:
+            why = self.meta.domain.contradiction(decoded.info)
+            if why:
+                raise OutsideDomain(f"outside the model's domain: {why}. {self.name} {self.version} gives it no "
+                                    "answer")
 
     @property
     def model_path(self) -> Path:

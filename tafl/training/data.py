@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -77,6 +78,7 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     else:
         raw = _load_medmnist(name, cfg)
     splits, class_names, native_channels, provenance = raw
+    provenance["colour"] = colour_counts(splits["train"].images)  # the input domain's colour (tafl export)
     size = cfg.img_size or splits["train"].images.shape[1]
     channels = cfg.channels or native_channels
     fit = Preprocess(size=size, channels=channels, mean=(0.0,) * channels, std=(1.0,) * channels)
@@ -100,6 +102,23 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     pre = Preprocess(size=size, channels=channels, mean=mean, std=std)
     return Dataset(cfg.dataset, class_names, splits["train"], splits["val"], splits["test"], pre, provenance,
                    site_names=provenance.get("site_names"))
+
+
+COLOUR_SPREAD = 4.0  # mean spread between an image's channels (0-255) above which it is a colour image
+
+
+def colour_counts(images: np.ndarray, chunk: int = 512) -> dict[str, int]:
+    """How many of `images` (uint8 (N, H, W, C)) are colour and how many greyscale: an image is colour where its
+    channels differ by more than COLOUR_SPREAD on average (a greyscale image stored as RGB, or a JPEG's chroma
+    noise on one, stays greyscale)."""
+    if images.ndim < 4 or images.shape[-1] == 1:
+        return {"colour": 0, "greyscale": int(len(images))}
+    n_colour = 0
+    for start in range(0, len(images), chunk):
+        part = images[start:start + chunk]
+        spread = (part.max(axis=-1) - part.min(axis=-1)).reshape(len(part), -1).mean(axis=1)
+        n_colour += int((spread > COLOUR_SPREAD).sum())
+    return {"colour": n_colour, "greyscale": int(len(images)) - n_colour}
 
 
 def _fit_images(images: np.ndarray, pre: Preprocess) -> np.ndarray:
@@ -213,15 +232,16 @@ def _load_folder(cfg: RunConfig):
     side = cfg.img_size or 64
     channels = cfg.channels or 3
     cache = _cache_path(cfg, f"{csv_sha}:{image_dir.resolve()}:{side}:{channels}:{cfg.folder_frames}:{DECODER_VERSION}"
+                             ":headers"
                              + (f":site={cfg.site}" if cfg.site is not None else ""))
     if cache is not None and cache.is_file():
         with np.load(cache) as z:
-            images, rows = z["images"], z["rows"]
+            images, rows, headers = z["images"], z["rows"], json.loads(str(z["headers"]))
         log.info("loaded %d decoded images from cache %s", len(images), cache)
     else:
-        images, rows = read_folder_images(files, side, channels, cfg.folder_frames)
+        images, rows, headers = read_folder_images(files, side, channels, cfg.folder_frames)
         if cache is not None:
-            write_cache(cache, images=images, rows=rows)
+            write_cache(cache, images=images, rows=rows, headers=np.array(json.dumps(headers)))
     if len(rows) != len(ids):  # multi-frame files: one sample per frame, all frames of a file in one split
         per_file = np.bincount(rows, minlength=len(ids))
         frame_no = np.concatenate([np.arange(n) for n in per_file])
@@ -237,6 +257,8 @@ def _load_folder(cfg: RunConfig):
         splits = _split(images, labels, ids, groups, cfg, sites)
     prov = {"source": "folder", "labels_csv": str(csv_path), "sha256": csv_sha, "image_dir": str(image_dir),
             "n_images": int(len(ids))}
+    if headers["files"]:
+        prov["dicom"] = headers
     if site_names is not None:
         prov.update(client_column=cfg.client_column, site_names=site_names)
     if cfg.site is not None:
@@ -278,16 +300,27 @@ def _folds(path: Path, values: list[str], cfg: RunConfig) -> np.ndarray | None:
 
 
 def read_folder_images(files: list[Path], side: int, channels: int, frames: str = "each"
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Every file through the service's decoder and the shared preprocessing: uint8 (N, side, side, channels)
-    and, per sample, the index of the file it came from (a multi-frame DICOM gives several)."""
+                       ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Every file through the service's decoder and the shared preprocessing: uint8 (N, side, side, channels);
+    per sample, the index of the file it came from (a multi-frame DICOM gives several); and what the DICOM files'
+    headers say, counted per value: {"files": n, "modalities": {...}, "sop_classes": {...}, "photometric": {...}}
+    (the input domain a package records, tafl.packaging.metadata.InputDomain)."""
     pre = Preprocess(size=side, channels=channels, mean=(0.0,) * channels, std=(1.0,) * channels)
     images, rows = [], []
+    headers: dict[str, Any] = {"files": 0, "modalities": {}, "sop_classes": {}, "photometric": {}}
     for i, f in enumerate(files):
-        for frame in decode_file(f, frames=frames).frames:
+        decoded = decode_file(f, frames=frames)
+        if decoded.kind == "dicom":
+            headers["files"] += 1
+            for key, fact in (("modalities", "modality"), ("sop_classes", "sop_class"), ("photometric", "photometric")):
+                value = decoded.info.get(fact)
+                if value:
+                    headers[key][value] = headers[key].get(value, 0) + 1
+        for frame in decoded.frames:
             images.append(pre.to_uint8(frame))
             rows.append(i)
-    return (np.stack(images) if images else np.empty((0, side, side, channels), np.uint8)), np.asarray(rows, np.int64)
+    out = np.stack(images) if images else np.empty((0, side, side, channels), np.uint8)
+    return out, np.asarray(rows, np.int64), headers
 
 
 def _read_csv(path: Path, cfg: RunConfig) -> list[tuple[str, str, str, str, str]]:
