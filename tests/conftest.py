@@ -75,6 +75,10 @@ def dafl_run(tmp_path_factory) -> Path:
 
 
 PACKAGES = {"gtafl": ("derm-gtafl", SMOKE_GTAFL), "dafl": ("derm-dafl", SMOKE_DAFL)}
+# The shared packages are the decoder's and the service's test subjects: every DICOM the tests send them, colour or
+# greyscale, must reach the model, so their input domain decides nothing (the digits data would make them
+# greyscale-only). tests/packaging/test_domain.py exports packages whose domain refuses.
+ANY_DOMAIN = ("colour=any",)
 
 
 def _package(tmp_path_factory, request, kind: str) -> Path:
@@ -88,7 +92,8 @@ def _package(tmp_path_factory, request, kind: str) -> Path:
         return out
     from tafl.packaging.export import export_checkpoint
 
-    export_checkpoint(request.getfixturevalue(f"{kind}_run") / "final.pt", out, name=PACKAGES[kind][0])
+    export_checkpoint(request.getfixturevalue(f"{kind}_run") / "final.pt", out, name=PACKAGES[kind][0],
+                      domain=ANY_DOMAIN)
     return out
 
 
@@ -114,7 +119,7 @@ def export_test_packages(dest: Path) -> None:
         for kind, (name, overrides) in PACKAGES.items():
             run = Path(tmp) / kind
             train(load_config(CONFIGS / "smoke.yaml", overrides), run, progress=False)
-            export_checkpoint(run / "final.pt", dest / kind, name=name, force=(dest / kind).exists())
+            export_checkpoint(run / "final.pt", dest / kind, name=name, force=(dest / kind).exists(), domain=ANY_DOMAIN)
 
 
 # ---------------------------------------------------------------- a real service

@@ -102,7 +102,9 @@ class LocalScorer:
             arrays, ok, rows = [], [], {}
             for p in chunk:
                 try:
-                    frame = decode_image(p.read_bytes()).frames[0]
+                    decoded = decode_image(p.read_bytes())
+                    self.pkg.check_domain(decoded)  # a header outside the trained domain: a row with the reason
+                    frame = decoded.frames[0]
                     arrays.append(pre.to_uint8(frame))
                     ok.append(p)
                 except TaflError as exc:

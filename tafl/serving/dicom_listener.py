@@ -370,6 +370,10 @@ class Listener:
                 return None
             return self._fail(path, uid, exc)
         try:
+            self.pkg.check_domain(decoded)  # outside the trained domain: kept in failed/ with the reason, no SR
+        except TaflError as exc:
+            return self._fail(path, uid, exc)
+        try:
             out = self.pkg.run(self.session, self.pkg.preprocess(decoded.frames))
             result = frame_result(self.pkg, out, 0)
             rgb = None
