@@ -178,7 +178,7 @@ async def predict_one(request: Request, call: Call) -> Prediction:
     decoded = await decode_upload(st.decode_pool, data, max_bytes=s.max_upload_bytes,
                                   max_pixels=min(s.max_pixels, s.max_request_pixels),
                                   max_frames=min(s.max_frames, s.max_request_frames))
-    model.package.check_domain(decoded)  # a DICOM header that contradicts the trained domain: 422 before the model
+    st.check_domain(model, decoded)  # a DICOM header that contradicts the trained domain: 422 before the model
     t1 = time.perf_counter()
     out = await st.classify(model, decoded.frames, ratio)
     t2 = time.perf_counter()
@@ -279,12 +279,12 @@ async def decode_batch(st: ServingState, files: list[bytes]) -> list[Any]:
     return out
 
 
-def _in_domain(model: LoadedModel, d: Any) -> Any:
+def _in_domain(st: ServingState, model: LoadedModel, d: Any) -> Any:
     """A decoded file, or the OutsideDomain error its DICOM header earns it (one error per file, as a decode's)."""
     if isinstance(d, Exception):
         return d
     try:
-        model.package.check_domain(d)
+        st.check_domain(model, d)
     except ServiceError as exc:
         return exc
     return d
@@ -304,7 +304,7 @@ async def predict_batch(request: Request, call: Call) -> Response:
     ratio, prior = prior_choice(model, options)
     prior["posteriors"] = flag(options.get("posteriors", "false"), "posteriors")
     call.audit["prior"] = prior["used"]
-    decoded = [_in_domain(model, d) for d in await decode_batch(st, files)]
+    decoded = [_in_domain(st, model, d) for d in await decode_batch(st, files)]
     frames = [f for d in decoded if not isinstance(d, Exception) for f in d.frames]
     out = await st.classify(model, frames, ratio) if frames else {}
     results, row = [], 0

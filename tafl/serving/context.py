@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
-from tafl.errors import ServiceUnavailable
+from tafl.errors import ServiceError, ServiceUnavailable
 from tafl.serving.decoding import INLINE_BYTES, DecodePool
 from tafl.serving.http import audit_log
 from tafl.serving.runtime import LoadedModel, ModelRegistry
@@ -26,13 +26,14 @@ STATIC_CACHE_MAX = 64  # the page's per-package static views kept (reloads leave
 
 
 class ServingState:
-    """One worker's serving state. `counter`, `case_mix` and `case_mix_shift` are the service's Prometheus
-    instruments (None in a bare app: nothing is published)."""
+    """One worker's serving state. `counter`, `case_mix`, `case_mix_shift` and `outside` are the service's
+    Prometheus instruments (None in a bare app: nothing is published)."""
 
     def __init__(self, settings: Settings, registry: ModelRegistry, counter: Any = None, case_mix: Any = None,
-                 case_mix_shift: Any = None, decode_pool: DecodePool | None = None):
+                 case_mix_shift: Any = None, decode_pool: DecodePool | None = None, outside: Any = None):
         self.settings, self.registry = settings, registry
         self.counter, self.case_mix, self.case_mix_shift = counter, case_mix, case_mix_shift
+        self.outside = outside
         self.decode_pool = decode_pool
         self._children: dict[tuple[str, str, str], Any] = {}  # the counter's labelled children, looked up once
         self._published: dict[tuple[str, str], float] = {}  # the estimate each model last published
@@ -43,7 +44,7 @@ class ServingState:
 
     @classmethod
     def start(cls, settings: Settings, registry: ModelRegistry, counter: Any = None, case_mix: Any = None,
-              case_mix_shift: Any = None) -> ServingState:
+              case_mix_shift: Any = None, outside: Any = None) -> ServingState:
         """The state of a worker that starts serving: its decoder processes warmed, its audit log opened."""
         pool = DecodePool(settings.decode_processes, deadline=max(1.0, settings.timeout_s / 2))
         pids = pool.warm()
@@ -57,7 +58,7 @@ class ServingState:
             audit_log.addHandler(handler)
             audit_log.setLevel(logging.INFO)
             audit_log.propagate = False
-        return cls(settings, registry, counter, case_mix, case_mix_shift, pool)
+        return cls(settings, registry, counter, case_mix, case_mix_shift, pool, outside)
 
     def close(self) -> None:
         """The worker's cleanup at stop: the decoder processes and their queues."""
@@ -68,6 +69,7 @@ class ServingState:
     # ---------------------------------------------------------------- metrics
     def count(self, model: LoadedModel, class_name: str) -> None:
         """One more prediction of `class_name` in /metrics."""
+        model.answered += 1
         if self.counter is None:
             return
         key = (model.name, model.package.version, class_name)
@@ -75,6 +77,17 @@ class ServingState:
         if child is None:
             child = self._children[key] = self.counter.labels(model=key[0], version=key[1], class_name=key[2])
         child.inc()
+
+    def check_domain(self, model: LoadedModel, decoded: Any) -> None:
+        """The package's header rules (ModelPackage.check_domain); a refusal is counted for /models and /metrics
+        (a mis-routed series shows as a rising rate) and raised on. It never enters the case-mix window."""
+        try:
+            model.package.check_domain(decoded)
+        except ServiceError:
+            model.outside_domain += 1
+            if self.outside is not None:
+                self.outside.labels(model=model.name, version=model.package.version).inc()
+            raise
 
     def observe(self, model: LoadedModel, out: dict[str, np.ndarray], ratio: np.ndarray | None) -> None:
         """Feed the served images' calibrated posteriors, under the source prior, to the model's case-mix window,

@@ -405,6 +405,8 @@ class LoadedModel:
     lanes_from: str = "default"  # why it has its lanes: TAFL_MODEL_LANES, or the rule the service chose by
     monitor: PriorMonitor | None = None  # the served case mix, for packages whose graph takes a prior
     site_prior: np.ndarray | None = None  # prior=site: this site's own mix (TAFL_SITE_MIX), for a prior-taking graph
+    answered: int = 0  # images (frames) this worker answered with a label
+    outside_domain: int = 0  # images this worker refused by the package's header rules (OutsideDomain)
 
     @property
     def name(self) -> str:
@@ -421,6 +423,9 @@ class LoadedModel:
                 "lanes": self.batcher.lanes,  # model calls in flight at once (TAFL_MODEL_LANES, or chosen)
                 "lanes_from": self.lanes_from,
                 "case_mix": self.monitor.describe() if self.monitor else None,
+                "domain": {"rule": self.package.meta.domain.describe(), "answered": self.answered,
+                           "refused": self.outside_domain,  # this worker's, since it loaded the package
+                           "refused_share": self.outside_domain / max(1, self.answered + self.outside_domain)},
                 "site_prior": None if self.site_prior is None else  # what prior=site decides for
                 dict(zip(self.package.class_names, map(float, self.site_prior)))}
 

@@ -50,6 +50,11 @@ CASE_MIX_SHIFT = bentoml.metrics.Gauge(
     documentation="Total-variation distance of the served case mix's estimate from the model's source prior",
     labelnames=["model", "version"],
 )
+OUTSIDE_DOMAIN = bentoml.metrics.Counter(
+    name="tafl_outside_domain",
+    documentation="Images refused because their DICOM header contradicts the model's input domain (422)",
+    labelnames=["model", "version"],
+)
 
 
 # Admission: past `max_concurrency` requests in flight BentoML answers 429 at once (its health and metrics
@@ -85,7 +90,7 @@ class TaflService:
                                       site_mix=settings.site_mix, prior_adaptive=settings.prior_adaptive,
                                       lanes=settings.model_lanes, lanes_from=settings.lanes_from,
                                       workers=settings.workers)
-        self.state = ServingState.start(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT)
+        self.state = ServingState.start(settings, self.registry, PREDICTED, CASE_MIX, CASE_MIX_SHIFT, OUTSIDE_DOMAIN)
         setattr(APP.state, STATE_KEY, self.state)
         # what the worker loaded (BentoML, the packages, ONNX Runtime's Python side: ~150,000 objects) never becomes
         # garbage: frozen, the cyclic collector stops walking it. Each full collection took ~70 ms of the event loop

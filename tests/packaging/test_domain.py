@@ -215,6 +215,14 @@ def test_the_service_refuses_a_ct_slice_before_the_model_and_answers_the_rest(sk
     assert res[1]["error"]["status"] == 422 and res[1]["error"]["code"] == "OutsideDomain"
     models = httpx.get(f"{skin_server.url}/models", timeout=30).json()["models"][0]
     assert models["metadata"]["domain"]["modalities"] == ["XC", "DMS"]
+    # monitoring: four refusals (CT, CT as format=sr, the greyscale XC, the batch's CT) beside four answers, and
+    # none of the refused entered the case-mix window
+    dom = models["domain"]
+    assert (dom["refused"], dom["answered"], dom["refused_share"]) == (4, 4, 0.5), dom
+    assert dom["rule"].startswith("colour images (declared at export); Modality XC or DMS (declared at export)")
+    assert models["case_mix"]["images_in_window"] == 4, models["case_mix"]
+    metrics = httpx.get(f"{skin_server.url}/metrics", timeout=30).text
+    assert 'tafl_outside_domain_total{model="skin-like",version="1.0.0"} 4.0' in metrics
     assert "Traceback" not in skin_server.log.read_text()
 
 
