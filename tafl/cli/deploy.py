@@ -20,6 +20,7 @@ def outcome(answered: int, failed: int) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
+    from tafl.packaging.domain import describe
     from tafl.packaging.export import export_checkpoint
 
     pkg = export_checkpoint(ns.checkpoint, ns.out, name=ns.name, parent=ns.parent, images=ns.images,
@@ -29,7 +30,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     print(f"{pkg.name} {pkg.version} -> {pkg.path} (parent {pkg.meta.parent_version or 'none'}); "
           f"ONNX Runtime vs PyTorch: max |dprob| {v.max_abs_prob_diff:.1e}, max |dheatmap| "
           f"{v.max_abs_heatmap_diff:.1e}")
-    print(f"input domain: {pkg.meta.domain.describe()}" + ("; a DICOM whose header contradicts it is refused"
+    print(f"input domain: {describe(pkg.meta.domain)}" + ("; a DICOM whose header contradicts it is refused"
                                                            if pkg.meta.domain else ""))
     print(f"signed by key {pkg.signed_by} (SHA256SUMS.sig)" if pkg.signed_by else
           "unsigned (services with TAFL_TRUSTED_KEYS refuse it; sign with --sign-key)")

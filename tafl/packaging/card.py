@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tafl.packaging.metadata import PackageMetadata, PriorSpec
+from tafl.packaging.domain import describe
+from tafl.packaging.metadata import Detector, PackageMetadata, PriorSpec
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, site_rows, summary_markdown
 from tafl.privacy_text import privacy_lines
 
@@ -71,8 +72,9 @@ def render_card(m: PackageMetadata) -> str:
     lines += ["", "## Input", "", f"`{inp.name}`: float32 {list(inp.shape)}; "
               f"{inp.preprocessing} (size {pre.size}, {pre.channels} channel(s), mean "
               f"{[round(v, 4) for v in pre.mean]}, std {[round(v, 4) for v in pre.std]}).", "",
-              f"Input domain: {m.domain.describe()}." + (" A DICOM whose Modality, SOP class or colour contradicts it "
+              f"Input domain: {describe(m.domain)}." + (" A DICOM whose Modality, SOP class or colour contradicts it "
                                                          "is refused before the model runs." if m.domain else ""), "",
+              _detector_line(m.domain.detector), "",
               "## Outputs", "", "| name | shape | type | meaning |", "|---|---|---|---|"]
     for o in m.outputs:
         lines.append(f"| `{o.name}` | {list(o.shape)} | {o.dtype} | {o.description} |")
@@ -130,3 +132,17 @@ def _provenance_lines(m: PackageMetadata) -> list[str]:
     lines += ["", "Files and their sha256 are listed in `SHA256SUMS`; `tafl.packaging.load_package` refuses a "
                   "package whose files do not match."]
     return lines
+
+
+def _detector_line(det: Detector) -> str:
+    """The learned in-domain detector in one paragraph: its threshold and what it refuses of the test split."""
+    if not det:
+        return "In-domain score: none (a package from before it)."
+    if det.threshold is None:
+        return f"In-domain score: none; {det.why}."
+    line = (f"In-domain score: `domain_distance`, the squared Mahalanobis distance of the image's features to the "
+            f"nearest class mean; above {det.threshold:.1f} (the distance that keeps {100 * det.keep:.0f}% of the "
+            "validation images) an image lies outside the training domain.")
+    if det.test_refused is not None:
+        line += f" It refuses {100 * det.test_refused:.1f}% of the in-domain test split."
+    return line

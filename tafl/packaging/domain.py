@@ -22,10 +22,45 @@ from typing import Any
 from tafl.errors import ConfigError
 from tafl.packaging.metadata import COLOURS, InputDomain
 
+GREYSCALE_PHOTOMETRICS = ("MONOCHROME1", "MONOCHROME2")
+COLOUR_PHOTOMETRICS = ("RGB", "YBR_FULL", "YBR_FULL_422", "YBR_ICT", "YBR_RCT", "YBR_PARTIAL_420", "PALETTE COLOR")
+
 COLOUR_SHARE = 0.95  # the share of training images that must agree before the domain says colour or greyscale
 KEYS = {"modality": "modalities", "modalities": "modalities", "sop-class": "sop_classes",
         "sop-classes": "sop_classes", "sop_class": "sop_classes", "colour": "colour", "color": "colour"}
 FROM_DATA, DECLARED, FROM_PARENT = "training data", "declared at export", "declared at the parent's export"
+
+
+def contradiction(domain: InputDomain, info: Mapping[str, Any]) -> str | None:
+    """Why a decoded DICOM's header facts (`DecodedImage.info`: modality, sop_class, photometric) fall outside
+    `domain`, in words a person can act on; None where nothing contradicts it."""
+    modality, sop, photometric = info.get("modality"), info.get("sop_class"), info.get("photometric")
+    src = domain.source
+    if modality and domain.modalities and modality not in domain.modalities:
+        return (f"its Modality is {modality}, and this model was trained on {_words(domain.modalities)} images "
+                f"only ({src.get('modalities', 'declared')}): send it to a model for {modality} images")
+    if sop and domain.sop_classes and sop not in domain.sop_classes:
+        return (f"it is a {sop} object, and this model was trained on {_words(domain.sop_classes)} objects only "
+                f"({src.get('sop_classes', 'declared')})")
+    kind = ("greyscale" if photometric in GREYSCALE_PHOTOMETRICS else
+            "colour" if photometric in COLOUR_PHOTOMETRICS else None)
+    if kind and domain.colour and kind != domain.colour:
+        return (f"it is a {kind} image ({photometric}), and this model was trained on {domain.colour} images "
+                f"({src.get('colour', 'declared')})")
+    return None
+
+
+def describe(domain: InputDomain) -> str:
+    """The domain's header rules in one line, each part with where it came from."""
+    parts = [f"{what} ({domain.source.get(name, 'declared')})" for name, what in (
+        ("colour", f"{domain.colour} images" if domain.colour else ""),
+        ("modalities", f"Modality {_words(domain.modalities)}" if domain.modalities else ""),
+        ("sop_classes", _words(domain.sop_classes) if domain.sop_classes else "")) if what]
+    return "; ".join(parts) if parts else "none recorded: a DICOM header decides nothing"
+
+
+def _words(items: tuple[str, ...]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
 def from_training(provenance: Mapping[str, Any]) -> InputDomain:

@@ -423,6 +423,37 @@ class Verification(Record):
 
 
 # ------------------------------------------------------------------ the model's contract
+class Detector(Record):
+    """The learned in-domain detector as training recorded it (tafl.training.detector): fitted (or why not), its
+    threshold on the graph's `domain_distance`, the validation share it keeps, what it refused of the test split."""
+
+    @property
+    def fitted(self) -> bool:
+        return self._get("fitted") is True
+
+    @property
+    def threshold(self) -> float | None:
+        t = self._get("threshold")
+        return float(t) if self.fitted and isinstance(t, NUMBER) and not isinstance(t, bool) else None
+
+    @property
+    def keep(self) -> float:
+        return _number(self._get("keep"), 0.95)
+
+    @property
+    def test_refused(self) -> float | None:
+        t = self._get("test")
+        return _number(t.get("refused"), None) if isinstance(t, dict) else None
+
+    @property
+    def why(self) -> str:
+        return str(self._get("why") or "not fitted")
+
+
+def _number(v: Any, default: Any) -> Any:
+    return float(v) if isinstance(v, NUMBER) and not isinstance(v, bool) else default
+
+
 @dataclass(frozen=True)
 class PreprocessSpec:
     """tafl.imaging.Preprocess as recorded: a decoded image becomes the graph's input by these numbers."""
@@ -467,51 +498,23 @@ class InputSpec:
                 "preprocessing": self.preprocessing, "preprocess": self.preprocess.to_json()}
 
 
-GREYSCALE_PHOTOMETRICS = ("MONOCHROME1", "MONOCHROME2")
-COLOUR_PHOTOMETRICS = ("RGB", "YBR_FULL", "YBR_FULL_422", "YBR_ICT", "YBR_RCT", "YBR_PARTIAL_420", "PALETTE COLOR")
 COLOURS = ("colour", "greyscale")
 _CODE_RE = re.compile(r"^[A-Z0-9_]{1,16}$")  # a DICOM code string such as a Modality
 
 
 @dataclass(frozen=True)
 class InputDomain:
-    """The images the model was trained on, as a DICOM header states them (docs/design.md, "The input domain"): the
-    Modality codes, the SOP classes (by name, as pydicom names them) and colour or greyscale. A DICOM whose header
-    contradicts it is refused before the model runs (`contradiction`); an empty field, and a tag the image lacks,
-    decide nothing. `source` says where each field came from (the training data, or declared at export)."""
+    """The images the model was trained on (docs/design.md, "The input domain"): Modality codes, SOP class names and
+    colour or greyscale, each field's `source`, and the learned `detector`. Its rules: tafl.packaging.domain."""
 
     modalities: tuple[str, ...] = ()
     sop_classes: tuple[str, ...] = ()
     colour: str | None = None  # "colour" | "greyscale" | None (mixed, or unknown)
     source: Mapping[str, str] = field(default_factory=dict)  # field -> "training data" | "declared at export"
+    detector: Detector = field(default_factory=lambda: Detector())
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> bool:  # whether there are header rules (the learned detector is apart)
         return bool(self.modalities or self.sop_classes or self.colour)
-
-    def contradiction(self, info: Mapping[str, Any]) -> str | None:
-        """Why a decoded DICOM's header facts (`DecodedImage.info`: modality, sop_class, photometric) fall outside
-        this domain, in words a person can act on; None where nothing contradicts it."""
-        modality, sop, photometric = info.get("modality"), info.get("sop_class"), info.get("photometric")
-        if modality and self.modalities and modality not in self.modalities:
-            return (f"its Modality is {modality}, and this model was trained on {_words(self.modalities)} images "
-                    f"only ({self.source.get('modalities', 'declared')}): send it to a model for {modality} images")
-        if sop and self.sop_classes and sop not in self.sop_classes:
-            return (f"it is a {sop} object, and this model was trained on {_words(self.sop_classes)} objects only "
-                    f"({self.source.get('sop_classes', 'declared')})")
-        kind = ("greyscale" if photometric in GREYSCALE_PHOTOMETRICS else
-                "colour" if photometric in COLOUR_PHOTOMETRICS else None)
-        if kind and self.colour and kind != self.colour:
-            return (f"it is a {kind} image ({photometric}), and this model was trained on {self.colour} images "
-                    f"({self.source.get('colour', 'declared')})")
-        return None
-
-    def describe(self) -> str:
-        """The domain in one line, each part with where it came from."""
-        parts = [f"{what} ({self.source.get(name, 'declared')})" for name, what in (
-            ("colour", f"{self.colour} images" if self.colour else ""),
-            ("modalities", f"Modality {_words(self.modalities)}" if self.modalities else ""),
-            ("sop_classes", _words(self.sop_classes) if self.sop_classes else "")) if what]
-        return "; ".join(parts) if parts else "none recorded: a DICOM header decides nothing"
 
     @classmethod
     def read(cls, r: _Reader | None) -> InputDomain:
@@ -530,15 +533,17 @@ class InputDomain:
             r.problem("colour", f"is {colour!r}, expected one of {', '.join(COLOURS)} or null")
             colour = None
         source = r("source", (dict,), optional=True, default={})
-        return cls(tuple(mods), tuple(sops), colour, {str(k): str(v) for k, v in source.items()})
+        detector = Detector.read(r, "detector")
+        if detector.fitted and detector.threshold is None:
+            r.problem("detector", "is fitted without a numeric threshold")
+        return cls(tuple(mods), tuple(sops), colour, {str(k): str(v) for k, v in source.items()}, detector)
 
     def to_json(self) -> dict[str, Any]:
-        return {"modalities": list(self.modalities), "sop_classes": list(self.sop_classes), "colour": self.colour,
-                "source": dict(self.source)}
-
-
-def _words(items: tuple[str, ...]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+        out = {"modalities": list(self.modalities), "sop_classes": list(self.sop_classes), "colour": self.colour,
+               "source": dict(self.source)}
+        if self.detector.fields is not None:
+            out["detector"] = self.detector.to_json()
+        return out
 
 
 @dataclass(frozen=True)
@@ -712,6 +717,9 @@ class PackageMetadata:
         vote = r("vote", (dict, type(None)))
         decision = Decision.read(r, "decision")
         prior = r.object("prior", optional=True)
+        domain = InputDomain.read(r.object("domain", optional=True))
+        if domain.detector.threshold is not None and "domain_distance" not in {o.name for o in outputs}:
+            r.problems.append("'domain.detector' is fitted, but 'outputs' lack 'domain_distance'")
         return cls(**head, class_names=names, input=InputSpec.read(inp) if inp else None, outputs=outputs,
                    experts=experts, vote=None if vote is None else Vote.read(_Reader(vote, "vote", r.problems)),
                    decision=decision, prior=PriorSpec.read(prior, len(names)) if prior else None,
@@ -721,7 +729,7 @@ class PackageMetadata:
                    intended_use=r("intended_use", (str,)), limitations=tuple(r("limitations", (list,)) or ()),
                    verification=Verification.read(r, "verification"),
                    class_codes=r("class_codes", (object,), optional=True),
-                   domain=InputDomain.read(r.object("domain", optional=True)),
+                   domain=domain,
                    extra={k: v for k, v in r.obj.items() if k not in _KNOWN})
 
     def to_json(self) -> dict[str, Any]:

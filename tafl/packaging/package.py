@@ -28,6 +28,7 @@ import numpy as np
 from tafl.errors import OutsideDomain, PackageError
 from tafl.files import sha256_file
 from tafl.imaging import Preprocess
+from tafl.packaging.domain import contradiction
 from tafl.packaging.metadata import SCHEMA, PackageMetadata, listing, parse_version
 
 __all__ = ["SCHEMA", "ModelPackage", "bump_minor", "list_packages", "load_package", "parse_version", "write_checksums"]
@@ -82,7 +83,7 @@ class ModelPackage:
         """OutsideDomain (422) when a decoded image's DICOM header contradicts the domain this model was trained on
         (metadata.json's `domain`): called between decoding and the model, wherever tafl classifies an image."""
         if decoded.kind == "dicom" and self.meta.domain:
-            why = self.meta.domain.contradiction(decoded.info)
+            why = contradiction(self.meta.domain, decoded.info)
             if why:
                 raise OutsideDomain(f"outside the model's domain: {why}. {self.name} {self.version} gives it no "
                                     "answer")

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from tafl.errors import BadRequest, Forbidden, NotFound, PackageError
+from tafl.packaging.domain import describe
 from tafl.packaging.package import ModelPackage, load_package
 from tafl.serving.tuning import cpu_cores
 
@@ -423,7 +424,7 @@ class LoadedModel:
                 "lanes": self.batcher.lanes,  # model calls in flight at once (TAFL_MODEL_LANES, or chosen)
                 "lanes_from": self.lanes_from,
                 "case_mix": self.monitor.describe() if self.monitor else None,
-                "domain": {"rule": self.package.meta.domain.describe(), "answered": self.answered,
+                "domain": {"rule": describe(self.package.meta.domain), "answered": self.answered,
                            "refused": self.outside_domain,  # this worker's, since it loaded the package
                            "refused_share": self.outside_domain / max(1, self.answered + self.outside_domain)},
                 "site_prior": None if self.site_prior is None else  # what prior=site decides for
