@@ -14,6 +14,7 @@ from tafl.errors import CheckpointError
 from tafl.training.config import RunConfig
 from tafl.training.contract import GlobalState, Method
 from tafl.training.data import Dataset
+from tafl.training.detector import detector_report
 from tafl.training.ensemble import vote_rule_accuracies
 from tafl.training.evaluate import balanced_accuracy, evaluate_outputs, predict
 from tafl.training.models import ModelConfig
@@ -76,6 +77,9 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
         report["validation"]["vote_rules"] = vote_rule_accuracies(val, names, state.meta, ds.val.labels, ranks,
                                                                   cfg.test_seed)
     prior_adaptation(report, method, state, cfg, out, val, ds, ranks)
+    detector = detector_report(method, state, ds, out["label"], cfg.eval_batch_size)
+    if detector is not None:
+        report["domain_detector"] = detector
     if ds.test.sites is not None and ds.site_names:
         report.update(site_evaluation(method, state, out, ds))
     book = ck.get("book", {})

@@ -31,6 +31,7 @@ from tafl.training.checkpoint_eval import evaluate_checkpoint
 from tafl.training.config import RunConfig
 from tafl.training.contract import ClientData, GlobalState, Method
 from tafl.training.data import Dataset
+from tafl.training.detector import fit_detector
 from tafl.training.estimator import (choose_operating_point, choose_prior_estimator,  # noqa: F401  (re-exported)
                                      select_prior_smoothing, select_prior_smoothing_sites)
 from tafl.training.longtail import ranks_from_counts, select_clients  # noqa: F401  (select_clients: re-exported)
@@ -150,12 +151,13 @@ def _initial_state(method: Method, transport: Transport, prep: Prepared,
     state = method.init_state(prep.train_counts)
     if init_from is not None:
         start_state = GlobalState.from_dict(init_from["state"])
-        # the parent's calibration, operating point and case-mix estimator describe the parent's weights: the
-        # retrained model fits its own (they are carried through every round's meta otherwise, and a stale one would
-        # skip the new fit)
-        meta = {k: v for k, v in start_state.meta.items() if k not in ("calibration", "decision", "prior_estimator")}
-        state = GlobalState(start_state.weights, {**state.extras, **start_state.extras},
-                            {**meta, "client_counts": {}, "round": 0})
+        # the parent's calibration, operating point, case-mix estimator and in-domain detector describe the parent's
+        # weights: the retrained model fits its own (they are carried through every round's meta otherwise, and a
+        # stale one would skip the new fit)
+        meta = {k: v for k, v in start_state.meta.items()
+                if k not in ("calibration", "decision", "prior_estimator", "domain_detector")}
+        extras = {k: v for k, v in start_state.extras.items() if not k.startswith("domain.")}  # refitted too
+        state = GlobalState(start_state.weights, {**state.extras, **extras}, {**meta, "client_counts": {}, "round": 0})
     method.round_config(state, transport.census(), 0)
     return state
 
@@ -182,6 +184,8 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
         kept = GlobalState(kept.weights, kept.extras, dict(kept.meta, calibration=identity.to_dict()))
     if "prior_estimator" not in kept.meta:
         kept = choose_prior_estimator(method, kept, ds, cfg, np.asarray(common["class_ranks"]))
+    if "domain_detector" not in kept.meta:
+        kept = fit_detector(method, kept, transport, cfg, ds.val.images, book)
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")

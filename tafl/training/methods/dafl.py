@@ -139,6 +139,8 @@ class DAFL(ClassifierMethod):
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: RoundConfig) -> ClientResult:
         if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
             return self.calibration.update(payload, data, round_cfg)
+        if round_cfg.get("domain_stats"):  # the in-domain detector's statistics round: no local training
+            return self.domain_stats.update(payload, data, round_cfg)
         cfg = self.cfg
         self.model.load_state_dict({k: v for k, v in payload.items() if k != "dafl.gamma"})
         counts = data.class_counts()

@@ -123,6 +123,8 @@ class GTAFL(ClassifierMethod):
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: RoundConfig) -> ClientResult:
         if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
             return self.calibration.update(payload, data, round_cfg)
+        if round_cfg.get("domain_stats"):  # the in-domain detector's statistics round: no local training
+            return self.domain_stats.update(payload, data, round_cfg)
         payload, basis = split_basis(payload)
         self.model.load_state_dict({k: v for k, v in payload.items() if not k.startswith("expert.")})
         gen = self.generator(round_cfg["round"], data.client_id)

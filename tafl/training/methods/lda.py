@@ -101,6 +101,8 @@ class LDA(ClassifierMethod):
     def client_update(self, payload: Tensors, data: ClientData, round_cfg: RoundConfig) -> ClientResult:
         if round_cfg.get("calibrate"):  # the calibration rounds after training: no local training
             return self.calibration.update(payload, data, round_cfg)
+        if round_cfg.get("domain_stats"):  # the in-domain detector's statistics round: no local training
+            return self.domain_stats.update(payload, data, round_cfg)
         payload, basis = split_basis(payload)
         if basis is None:
             raise ValueError("LDA needs the server's head basis in the payload (train_scope head)")

@@ -1,0 +1,138 @@
+"""The in-domain detector, fitted after training (docs/design.md, "The input domain"): a class-conditional Gaussian
+on the final model's features with one covariance shared by the classes (Lee et al. 2018), whose score is the
+squared Mahalanobis distance to the nearest class mean. The clients send feature sums in one statistics round
+(tafl.training.methods.detector); the server turns them into the means and the covariance, and picks the threshold
+on its validation split alone: the distance that keeps KEEP of the in-domain validation images. No test image and
+no out-of-domain image chooses anything.
+
+Not yet under privacy: with DP (`--dp-epsilon`) or secure aggregation the sums would need the accountant's noise or
+SecAgg+'s bounded encoding, which this round does not have, so such a run fits no detector and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from tafl.training.config import RunConfig
+from tafl.training.contract import GlobalState, Method
+from tafl.training.methods.detector import DOMAIN_KEYS, extract_features
+from tafl.training.rounds import charge
+from tafl.training.transport import Transport
+
+log = logging.getLogger(__name__)
+
+KEEP = 0.95  # the share of in-domain validation images the threshold keeps
+SHRINKAGE = 0.01  # covariance + SHRINKAGE · (trace / D) · I: the precision stays finite where D nears the images
+
+
+def fit_gaussian(sums: np.ndarray, outer: np.ndarray, counts: np.ndarray,
+                 shrinkage: float = SHRINKAGE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From pooled sums: the means (K, D) of the K classes with images, their class indices (K,), and the precision
+    (D, D) of the shared within-class covariance, shrunk toward its mean variance."""
+    present = np.flatnonzero(counts > 0)
+    n = float(counts.sum())
+    means = sums[present] / counts[present, None]
+    between = (means * counts[present, None]).T @ means  # Σ_c n_c μ_c μ_cᵀ
+    cov = (outer - between) / max(n - len(present), 1.0)
+    cov = (cov + cov.T) / 2
+    dim = cov.shape[0]
+    cov = cov + shrinkage * max(float(np.trace(cov)) / dim, 1e-12) * np.eye(dim)
+    return means, present, np.linalg.inv(cov)
+
+
+def distances(feats: np.ndarray, means: np.ndarray, precision: np.ndarray) -> np.ndarray:
+    """(N,) squared Mahalanobis distance of each feature row to its nearest class mean."""
+    fp = feats @ precision
+    quad = np.einsum("nd,nd->n", fp, feats)[:, None] - 2 * fp @ means.T + np.einsum("kd,kd->k", means @ precision,
+                                                                                    means)[None]
+    return quad.min(axis=1)
+
+
+def problem(r: Any, num_classes: int, dim: int) -> str | None:
+    """Why a client's statistics cannot be summed, or None."""
+    shapes = {"dom_sum": (num_classes, dim), "dom_outer": (dim, dim), "dom_counts": (num_classes,)}
+    for k, shape in shapes.items():
+        t = r.extras.get(k)
+        if t is None or tuple(t.shape) != shape:
+            return f"{k} is missing or not of shape {shape}"
+        if not bool(torch.isfinite(t).all()):
+            return f"{k} contains NaN or Inf"
+    if bool((r.extras["dom_counts"] < 0).any()):
+        return "dom_counts are negative"
+    return None
+
+
+def fit_detector(method: Method, state: GlobalState, transport: Transport, cfg: RunConfig, val_images: np.ndarray,
+                 book: dict[str, Any]) -> GlobalState:
+    """One statistics round over every client, the Gaussian, and the threshold on the validation split; recorded in
+    the state (extras domain.means, domain.classes, domain.precision; meta domain_detector)."""
+    if cfg.dp_epsilon is not None or cfg.secure_aggregation:
+        why = ("differential privacy" if cfg.dp_epsilon is not None else "secure aggregation")
+        log.info("in-domain detector: not fitted under %s (its statistics round has no private form yet)", why)
+        return GlobalState(state.weights, state.extras, dict(state.meta, domain_detector={
+            "fitted": False, "why": f"not fitted under {why}: the statistics round has no private form yet"}))
+    t0 = time.perf_counter()
+    C, dim = int(method.model_cfg.num_classes), int(method.model.feature_dim)
+    round_cfg = {"round": cfg.rounds + 3, "seed": cfg.seed, "domain_stats": True}
+    results, cost = transport.train(list(range(transport.num_clients)), method.broadcast(state), round_cfg)
+    charge(book, cost)
+    good = []
+    for r in results:
+        why = problem(r, C, dim)
+        if why is None:
+            good.append(r)
+        else:
+            log.warning("in-domain detector: dropping client %s: %s", r.client_id, why)
+    if not good:
+        log.warning("in-domain detector: no client sent statistics; none is fitted")
+        return state
+    sums, outer, counts = (sum(r.extras[k].double().numpy() for r in good) for k in DOMAIN_KEYS)
+    means, classes, precision = fit_gaussian(sums, outer, counts)
+    means, precision = means.astype(np.float32), precision.astype(np.float32)  # as the package's graph holds them
+    from tafl.training.models import build_model
+
+    model = build_model(method.model_cfg).to(method.device)
+    model.load_state_dict(state.weights)
+    val = distances(extract_features(model, torch.from_numpy(val_images), method.normalize, cfg.eval_batch_size),
+                    means.astype(np.float64), precision.astype(np.float64))
+    threshold = float(np.quantile(val, KEEP))
+    rec = {"fitted": True, "kind": "mahalanobis", "threshold": threshold, "keep": KEEP, "shrinkage": SHRINKAGE,
+           "features": dim, "classes": [int(c) for c in classes], "train_images": int(counts.sum()),
+           "clients": sorted(int(r.client_id) for r in good), "val_images": int(len(val)),
+           "val_refused": float((val > threshold).mean()), "seconds": round(time.perf_counter() - t0, 2)}
+    log.info("in-domain detector: Mahalanobis on %d features from %d training images of %d clients; threshold "
+             "%.1f keeps %.0f%% of %d validation images", dim, rec["train_images"], len(good), threshold,
+             100 * (1 - rec["val_refused"]), len(val))
+    extras = {**state.extras, "domain.means": torch.from_numpy(means), "domain.precision": torch.from_numpy(precision)}
+    return GlobalState(state.weights, extras, dict(state.meta, domain_detector=rec))
+
+
+def detector_report(method: Method, state: GlobalState, ds: Any, test_labels_pred: np.ndarray,
+                    batch_size: int) -> dict[str, Any] | None:
+    """The report's `domain_detector`: the fit's record and, on the test split, the share of in-domain images it
+    refuses (overall and per class) and the balanced accuracy on the images it accepts beside that on all."""
+    from tafl.training.evaluate import balanced_accuracy
+    from tafl.training.models import build_model
+
+    rec = state.meta.get("domain_detector")
+    if not rec or not rec.get("fitted"):
+        return dict(rec) if rec else None
+    model = build_model(method.model_cfg).to(method.device)
+    model.load_state_dict(state.weights)
+    feats = extract_features(model, torch.from_numpy(ds.test.images), method.normalize, batch_size)
+    means, precision = (state.extras[k].double().numpy() for k in ("domain.means", "domain.precision"))
+    refused = distances(feats, means, precision) > rec["threshold"]
+    labels, C = ds.test.labels, len(ds.class_names)
+    keep = ~refused
+    per_class = {ds.class_names[c]: float(refused[labels == c].mean()) if (labels == c).any() else None
+                 for c in range(C)}
+    return {**rec, "test": {"images": int(len(labels)), "refused": float(refused.mean()),
+                            "refused_per_class": per_class,
+                            "balanced_accuracy_all": balanced_accuracy(test_labels_pred, labels, C),
+                            "balanced_accuracy_accepted": balanced_accuracy(test_labels_pred[keep], labels[keep], C)
+                            if keep.any() else None}}

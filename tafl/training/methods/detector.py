@@ -1,0 +1,55 @@
+"""The client side of the in-domain detector's statistics round (tafl.training.detector drives it, once, after the
+calibration): a part a method composes. A client runs the final model's feature extractor over its training rows
+and answers three sums, nothing per image: per class the features' sum (C, D) and count (C,), and the sum of the
+features' outer products (D, D). From them the server has the class means and the shared covariance of the pooled
+training features, exactly as if it had pooled them (Lee et al. 2018's class-conditional Gaussian).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tafl.training.contract import ClientData, ClientResult, RoundConfig, Tensors
+
+DOMAIN_KEYS = ("dom_sum", "dom_outer", "dom_counts")
+
+
+class DomainStatsClient:
+    """The statistics round of one method's clients; `method` is a ClassifierMethod (its working model)."""
+
+    def __init__(self, method: Any):
+        self.method = method
+
+    def update(self, payload: Tensors, data: ClientData, round_cfg: RoundConfig) -> ClientResult:
+        """Extras dom_sum (C, D), dom_outer (D, D), dom_counts (C,), float64, over the client's training rows."""
+        C = int(self.method.model_cfg.num_classes)
+        feats = self.features(payload, data.images[data.indices])
+        labels = data.local_labels.numpy()
+        sums = np.zeros((C, feats.shape[1]), np.float64)
+        np.add.at(sums, labels, feats)
+        extras = {"dom_sum": sums, "dom_outer": feats.T @ feats,
+                  "dom_counts": np.bincount(labels, minlength=C).astype(np.float64)}
+        return ClientResult(data.client_id, len(data), {}, {k: torch.from_numpy(v) for k, v in extras.items()},
+                            {"domain_stats": 1.0})
+
+    def features(self, payload: Tensors, images_u8: torch.Tensor) -> np.ndarray:
+        """(N, D) float64: the payload model's features (`Classifier.features`, what the package's graph scores)."""
+        m = self.method
+        keys = set(m.model.state_dict())
+        m.model.load_state_dict({k: v for k, v in payload.items() if k in keys})
+        return extract_features(m.model, images_u8, m.normalize, m.cfg.eval_batch_size)
+
+
+@torch.no_grad()
+def extract_features(model: Any, images_u8: torch.Tensor, normalize: Any, batch_size: int) -> np.ndarray:
+    """(N, D) float64 features of uint8 (N, H, W, C) images, in eval mode, batch by batch."""
+    was_training = model.training
+    model.eval()
+    out = [model.features(normalize(images_u8[i:i + batch_size])).double().cpu()
+           for i in range(0, len(images_u8), batch_size)]
+    model.train(was_training)
+    dim = int(model.feature_dim)
+    return torch.cat(out).numpy() if out else np.zeros((0, dim), np.float64)
