@@ -33,8 +33,8 @@ import tafl
 from tafl.errors import ConfigError, PackageError
 from tafl.packaging.card import render_card
 from tafl.packaging.domain import resolve as resolve_domain
-from tafl.packaging.metadata import (SCHEMA, AdaptiveCheck, Decision, Estimator, Expert, InputSpec, Metrics,
-                                     OutputSpec, PackageMetadata, Parent, PreprocessSpec, PriorSpec, Privacy,
+from tafl.packaging.metadata import (SCHEMA, AdaptiveCheck, Decision, Detector, Estimator, Expert, InputSpec,
+                                     Metrics, OutputSpec, PackageMetadata, Parent, PreprocessSpec, PriorSpec, Privacy,
                                      Provenance, Training, Verification, Vote)
 from tafl.packaging.package import ModelPackage, bump_minor, load_package, write_checksums
 from tafl.imaging import Preprocess
@@ -45,6 +45,7 @@ from tafl.training.models import Classifier, ModelConfig, build_model
 log = logging.getLogger(__name__)
 
 PROB_TOL, HEAT_TOL = 1e-4, 1e-3
+DIST_TOL = 1e-3  # the detector's distance, relative to itself (at least 1)
 OPSET = 17
 
 
@@ -105,16 +106,42 @@ class _PriorAdaptation(nn.Module):
                 adapted)
 
 
+class _DomainDistance(nn.Module):
+    """The in-domain detector (tafl.training.detector) inside the graph: the squared Mahalanobis distance of the
+    features to the nearest class mean under the shared precision P = L·Lᵀ, as ‖f·L − μ·L‖² (B,)."""
+
+    def __init__(self, means: torch.Tensor, precision: torch.Tensor):
+        super().__init__()
+        whiten = torch.linalg.cholesky(precision.double())  # P = L·Lᵀ
+        self.register_buffer("whiten", whiten.to(torch.float32))
+        self.register_buffer("centres", (means.double() @ whiten).to(torch.float32))
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        g = feats @ self.whiten
+        return ((g[:, None, :] - self.centres[None]) ** 2).sum(dim=-1).min(dim=1).values
+
+
+def _detector(extras: dict[str, Any], state_meta: dict[str, Any]) -> _DomainDistance | None:
+    """The checkpoint's fitted detector as a graph module, or None (a run from before it, or one under DP)."""
+    if "domain.means" not in extras or not (state_meta.get("domain_detector") or {}).get("fitted"):
+        return None
+    return _DomainDistance(extras["domain.means"], extras["domain.precision"])
+
+
 class EnsembleGraph(nn.Module):
     outputs = ("label", "probs", "expert_labels", "expert_probs", "votes", "heatmap", "calibrated_probs")
 
     def __init__(self, model: Classifier, ensemble: ExpertEnsemble, is_vit: bool, size: int,
-                 calibration: dict[str, Any] | None = None, source: int | None = None):
+                 calibration: dict[str, Any] | None = None, source: int | None = None,
+                 detector: _DomainDistance | None = None):
         super().__init__()
         self.feats = _Features(model, is_vit, size)
         self.ensemble = ensemble
         self.prior = _PriorAdaptation(calibration, ensemble.W.shape[1])
         self.source = source  # the expert whose posteriors are calibrated, or None: the experts' mean log-prob
+        self.detector = detector
+        if detector is not None:  # the instance's outputs: the class's, then the detector's distance
+            self.outputs = (*type(self).outputs, "domain_distance")
 
     def forward(self, image: torch.Tensor, log_prior_ratio: torch.Tensor | None = None):
         feats, aux = self.feats(image)
@@ -125,15 +152,19 @@ class EnsembleGraph(nn.Module):
         label, probs, calibrated = self.prior(z, log_prior_ratio, out["label"], out["probs"])
         w = self.ensemble.W.mean(dim=0)[label]  # (B, D): the experts' mean row of the decided class
         heat = self.feats.heatmap(image, aux, w)
-        return label, probs, out["expert_labels"], out["expert_probs"], out["votes"], heat, calibrated
+        outs = (label, probs, out["expert_labels"], out["expert_probs"], out["votes"], heat, calibrated)
+        return outs if self.detector is None else (*outs, self.detector(feats))
 
 
 class SingleHeadGraph(nn.Module):
     outputs = ("label", "probs", "logits", "heatmap", "calibrated_probs")
 
     def __init__(self, model: Classifier, is_vit: bool, size: int, calibration: dict[str, Any] | None = None,
-                 offset: np.ndarray | None = None):
+                 offset: np.ndarray | None = None, detector: _DomainDistance | None = None):
         super().__init__()
+        self.detector = detector
+        if detector is not None:
+            self.outputs = (*type(self).outputs, "domain_distance")
         self.feats = _Features(model, is_vit, size)
         self.head = model.head
         self.prior = _PriorAdaptation(calibration, model.head.out_features)
@@ -150,7 +181,8 @@ class SingleHeadGraph(nn.Module):
         label, probs, calibrated = self.prior(torch.log_softmax(logits, dim=1), log_prior_ratio,
                                               (logits + self.offset).argmax(dim=1), torch.softmax(logits, dim=1))
         heat = self.feats.heatmap(image, aux, self.head.weight[label])
-        return label, probs, logits, heat, calibrated
+        outs = (label, probs, logits, heat, calibrated)
+        return outs if self.detector is None else (*outs, self.detector(feats))
 
 
 def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
@@ -198,7 +230,7 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, tuple[Expert, ...], Vote
                     "argmax of the weighted mean probability" if soft else
                     f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of {ens.tie_bonus:g} on its vote)")
         graph: nn.Module = EnsembleGraph(model, ens, mcfg.is_vit, mcfg.img_size, calibration,
-                                         calibration["source_expert"])
+                                         calibration["source_expert"], _detector(extras, state_meta))
         graph.prior_spec = calibration
         return graph.eval(), experts, vote
     from tafl.training.decision import check_record
@@ -207,7 +239,7 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, tuple[Expert, ...], Vote
         offset = check_record(state_meta.get("decision"), mcfg.num_classes)
     except ValueError as exc:
         raise PackageError(f"the checkpoint's operating point cannot be exported: {exc}") from None
-    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration, offset)
+    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration, offset, _detector(extras, state_meta))
     graph.prior_spec = calibration
     return graph.eval(), (), None
 
@@ -277,6 +309,13 @@ def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, .
         for key in ("label", "expert_labels"):
             if key in names and not np.array_equal(got[key], ref[key]):
                 raise PackageError(f"export check failed: '{key}' differs between ONNX Runtime and PyTorch ({what})")
+        if "domain_distance" in names:  # relative: distances run from a few to thousands
+            rel = float((np.abs(got["domain_distance"] - ref["domain_distance"]) /
+                         np.maximum(np.abs(ref["domain_distance"]), 1.0)).max())
+            worst["domain_distance"] = max(worst.get("domain_distance", 0.0), rel)
+            if not rel <= DIST_TOL:
+                raise PackageError(f"export check failed: 'domain_distance' differs by {rel:.2e} (relative) > "
+                                   f"{DIST_TOL:g} ({what})")
         for key, tol in (("probs", PROB_TOL), ("expert_probs", PROB_TOL), ("calibrated_probs", PROB_TOL),
                          ("heatmap", HEAT_TOL)):
             if key in names:
@@ -288,6 +327,8 @@ def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, .
     return {"batch_sizes": [1, 16], "log_prior_ratio_cases": ["default (zeros)"] +
             (["one row for the batch", "one row per image"] if prior_ratio is not None else []),
             "max_abs_prob_diff": worst["probs"], "max_abs_heatmap_diff": worst["heatmap"],
+            **({"max_rel_domain_distance_diff": worst["domain_distance"], "domain_distance_tolerance": DIST_TOL}
+               if "domain_distance" in worst else {}),
             "prob_tolerance": PROB_TOL, "heatmap_tolerance": HEAT_TOL, "onnx": onnx.__version__,
             "onnxruntime": ort.__version__, "opset": OPSET, "checker": "onnx.checker.check_model(full_check=True)"}
 
@@ -346,8 +387,27 @@ def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size:
         "calibrated_probs": (["batch", num_classes], "float32",
                              "calibrated posteriors under the prior of the optional input log_prior_ratio (zeros: "
                              "the source prior, metadata 'prior')"),
+        "domain_distance": (["batch"], "float32",
+                            "the in-domain detector's score: squared Mahalanobis distance of the image's features to "
+                            "the nearest class mean; above metadata domain.detector.threshold the image lies outside "
+                            "what the model was trained on"),
     }
     return tuple(OutputSpec(n, tuple(desc[n][0]), desc[n][1], desc[n][2]) for n in names)
+
+
+def _detector_spec(ck: dict[str, Any], ck_path: Path) -> dict[str, Any] | None:
+    """The in-domain detector as training recorded it (tafl.training.detector), with the test split's refused share
+    where the run's report measured it; None for a checkpoint from before the detector."""
+    rec = (ck["state"].get("meta") or {}).get("domain_detector")
+    if rec is None:
+        return None
+    out = {k: v for k, v in rec.items() if k not in ("classes", "clients")}
+    rep = ck_path.parent / "report.json"
+    test = (json.loads(rep.read_text()).get("domain_detector") or {}).get("test") if rep.is_file() else None
+    if rec.get("fitted") and test:
+        out["test"] = {k: test[k] for k in ("images", "refused", "balanced_accuracy_all", "balanced_accuracy_accepted")
+                       if k in test}
+    return out
 
 
 def _estimator_spec(ck: dict[str, Any]) -> dict[str, Any]:
@@ -447,7 +507,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
     out = Path(out)
     _check_out(out, force)
     graph, experts, vote = build_graph(ck)
-    names = type(graph).outputs
+    names = graph.outputs
     mcfg = ModelConfig.from_dict(ck["model_config"])
     pre = Preprocess.from_dict(ck["preprocess"])
     lineage = _lineage(ck, parent)
@@ -464,7 +524,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
                          _adaptive_check(ck_path))
         if class_codes is not None:
             meta = meta.with_class_codes(_class_codes(class_codes, list(meta.class_names)))
-        meta = replace(meta, domain=input_domain)
+        meta = replace(meta, domain=replace(input_domain, detector=Detector(_detector_spec(ck, ck_path))))
         _write_package(tmpd, meta, ck_path, out, signer)
     # a signed package is checked against its own key; an unsigned one without keys (it is the consumer's trust
     # list that refuses it), with a warning where this environment has one

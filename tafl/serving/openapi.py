@@ -23,12 +23,17 @@ CLASS_MAP = {"type": "object", "additionalProperties": {"type": "number"}}
 EXPERT = {"type": "object", "required": ["name", "label", "class_name", "probability"],
           "properties": {"name": {"type": "string"}, "label": {"type": "integer"}, "class_name": {"type": "string"},
                          "probability": {"type": "number"}}}
+DOMAIN = {"type": "object", "required": ["in_domain", "distance", "threshold", "reason"],
+          "description": "the learned in-domain detector's verdict (packages that have one): the squared Mahalanobis "
+                         "distance of the image's features to the nearest class mean against the package's threshold",
+          "properties": {"in_domain": {"type": "boolean"}, "distance": {"type": "number"},
+                         "threshold": {"type": "number"}, "reason": {"type": "string"}}}
 RESULT = {
     "type": "object", "required": ["label", "class_name", "probability", "probabilities", "experts"],
     "properties": {"label": {"type": "integer", "minimum": 0}, "class_name": {"type": "string"},
                    "probability": {"type": "number", "minimum": 0, "maximum": 1},
                    "probabilities": CLASS_MAP, "votes": CLASS_MAP, "experts": {"type": "array", "items": EXPERT},
-                   "calibrated_probabilities": CLASS_MAP},
+                   "calibrated_probabilities": CLASS_MAP, "domain": DOMAIN},
 }
 MODEL_REF = {"type": "object", "required": ["name", "version", "method"],
              "properties": {"name": {"type": "string"}, "version": {"type": "string"}, "method": {"type": "string"}}}

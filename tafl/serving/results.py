@@ -31,7 +31,25 @@ def frame_result(package: ModelPackage, out: dict[str, np.ndarray], i: int, post
     res["experts"] = experts
     if posteriors and "calibrated_probs" in out:  # under the request's prior (prior=train: the source prior)
         res["calibrated_probabilities"] = {n: float(p) for n, p in zip(names, out["calibrated_probs"][i])}
+    verdict = domain_verdict(package, out, i)
+    if verdict is not None:
+        res["domain"] = verdict
     return res
+
+
+def domain_verdict(package: ModelPackage, out: dict[str, np.ndarray], i: int) -> dict[str, Any] | None:
+    """The learned in-domain detector's verdict on row `i` (docs/design.md, "The input domain"): its distance, the
+    package's threshold, in or out, and why; None for a package without a detector."""
+    det = package.meta.domain.detector
+    threshold = det.threshold
+    if threshold is None or "domain_distance" not in out:
+        return None
+    d = float(out["domain_distance"][i])
+    inside = d <= threshold
+    keep = det.keep
+    why = (f"its features lie {'within' if inside else 'beyond'} the distance that keeps {100 * keep:.0f}% of the "
+           f"model's validation images ({d:.1f} {'≤' if inside else '>'} {threshold:.1f})")
+    return {"in_domain": inside, "distance": d, "threshold": threshold, "reason": why}
 
 
 def overlay_frame(frame: np.ndarray, max_side: int = OVERLAY_MAX_SIDE) -> np.ndarray:

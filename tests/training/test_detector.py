@@ -1,0 +1,154 @@
+"""The learned in-domain detector (issue 53, item 2): a class-conditional Gaussian with a shared covariance on the
+final model's features, fitted from the sites' feature sums in one statistics round, its threshold chosen on the
+validation split alone, carried into the package's graph as `domain_distance` and into every /predict answer."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from pydicom.data import get_testdata_file
+
+from tafl.training.detector import KEEP, distances, fit_gaussian
+from tests.conftest import digit_png
+
+
+def test_the_sites_sums_give_the_pooled_gaussian():
+    """Means and shared covariance from per-site sums equal those of the pooled features (no image pooled)."""
+    rng = np.random.default_rng(0)
+    C, D = 4, 6
+    feats = [rng.normal(size=(n, D)) + rng.normal(size=D) for n in (30, 50, 20)]
+    labels = [rng.integers(0, C - 1, len(f)) for f in feats]  # class C-1 has no image anywhere
+    sums, outer, counts = np.zeros((C, D)), np.zeros((D, D)), np.zeros(C)
+    for f, y in zip(feats, labels):  # what each site sends
+        np.add.at(sums, y, f)
+        outer += f.T @ f
+        counts += np.bincount(y, minlength=C)
+    means, classes, precision = fit_gaussian(sums, outer, counts, shrinkage=0.0)
+    F, Y = np.concatenate(feats), np.concatenate(labels)
+    assert classes.tolist() == [0, 1, 2]  # an absent class has no mean to be near
+    ref_means = np.stack([F[Y == c].mean(0) for c in range(C - 1)])
+    centred = F - ref_means[Y]
+    ref_cov = centred.T @ centred / (len(F) - (C - 1))
+    assert np.allclose(means, ref_means) and np.allclose(np.linalg.inv(precision), ref_cov)
+    # the distance is the squared Mahalanobis distance to the nearest mean, computed directly
+    x = rng.normal(size=(5, D))
+    direct = np.array([min((v - m) @ precision @ (v - m) for m in ref_means) for v in x])
+    assert np.allclose(distances(x, means, precision), direct)
+
+
+@pytest.fixture(scope="module")
+def fedavg_run(tmp_path_factory):
+    from tafl.training.config import load_config
+    from tafl.training.simulator import train
+    from tests.conftest import CONFIGS
+
+    out = tmp_path_factory.mktemp("det") / "run"
+    report = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 2}), out, progress=False)
+    return out, report
+
+
+def test_the_threshold_comes_from_validation_and_the_report_measures_the_test_split(fedavg_run):
+    _, report = fedavg_run
+    det = report["domain_detector"]
+    assert det["fitted"] and det["kind"] == "mahalanobis" and det["keep"] == KEEP
+    assert abs(det["val_refused"] - (1 - KEEP)) <= 0.01  # the validation split's 95th percentile
+    test = det["test"]
+    assert test["images"] == 360 and 0.0 <= test["refused"] <= 0.15, test  # in-domain test images mostly kept
+    assert set(test["refused_per_class"]) == set(report["class_names"])
+    assert test["balanced_accuracy_accepted"] is not None
+
+
+def test_the_package_scores_as_training_did_and_flags_what_it_never_saw(fedavg_run, tmp_path):
+    """The graph's distance equals the training side's on the same images; a CT slice decoded as the service
+    decodes it, noise and a blank frame lie beyond the threshold; the validation digits mostly within."""
+    from tafl.imaging import decode_image
+    from tafl.packaging.export import export_checkpoint
+    from tafl.training.checkpoint import load_checkpoint
+    from tafl.training.config import RunConfig
+    from tafl.training.data import load_dataset
+    from tafl.training.methods.detector import extract_features
+    from tafl.training.models import ModelConfig, build_model
+
+    run, _ = fedavg_run
+    pkg = export_checkpoint(run / "final.pt", tmp_path / "pkg")
+    assert "domain_distance" in [o.name for o in pkg.meta.outputs]
+    t = pkg.meta.domain.detector.threshold
+    assert t is not None and pkg.meta.verification.fields["max_rel_domain_distance_diff"] <= 1e-3
+    ck = load_checkpoint(run / "final.pt")
+    ds = load_dataset(RunConfig.from_dict(ck["run_config"]))
+    val = ds.val.images[:64]
+    model = build_model(ModelConfig.from_dict(ck["model_config"]))
+    model.load_state_dict(ck["state"]["weights"])
+    pre = pkg.preprocess
+    mean = torch.tensor(pre.mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(pre.std, dtype=torch.float32).view(1, -1, 1, 1)
+    norm = lambda b: (b.permute(0, 3, 1, 2).float() / 255.0 - mean) / std  # noqa: E731
+    ex = ck["state"]["extras"]
+    ref = distances(extract_features(model, torch.from_numpy(val), norm, 32), ex["domain.means"].double().numpy(),
+                    ex["domain.precision"].double().numpy())
+    got = pkg.run(pkg.session(), pre.normalize(val))["domain_distance"]
+    assert np.allclose(got, ref, rtol=1e-3), np.abs(got - ref).max()
+    assert (got <= t).mean() >= 0.85
+    ct = decode_image(open(get_testdata_file("CT_small.dcm"), "rb").read()).frames
+    rng = np.random.default_rng(0)
+    far = [*ct, rng.integers(0, 255, (64, 64), np.uint8), np.zeros((64, 64), np.uint8)]
+    d = pkg.run(pkg.session(), far)["domain_distance"]
+    assert (d > t).all(), (d, t)
+
+
+def test_under_dp_no_detector_is_fitted_and_the_package_says_why(tmp_path):
+    from tafl.packaging.export import export_checkpoint
+    from tafl.training.config import load_config
+    from tafl.training.simulator import train
+    from tests.conftest import CONFIGS
+
+    report = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1, "dp_epsilon": 8.0, "dp_delta": 1e-3}),
+                   tmp_path / "run", progress=False)
+    assert report["domain_detector"] == {"fitted": False, "why": "not fitted under differential privacy: the "
+                                         "statistics round has no private form yet"}
+    pkg = export_checkpoint(tmp_path / "run" / "final.pt", tmp_path / "pkg")
+    assert pkg.meta.domain.detector.threshold is None and "domain_distance" not in [o.name for o in pkg.meta.outputs]
+    assert json.loads((tmp_path / "pkg" / "metadata.json").read_text())["domain"]["detector"]["fitted"] is False
+
+
+@pytest.mark.slow
+def test_every_answer_carries_the_verdict(server):
+    """/predict and /predict/batch give each image the distance, the threshold and the verdict with its reason."""
+    ct = open(get_testdata_file("CT_small.dcm"), "rb").read()
+    r = httpx.post(f"{server.url}/predict", files={"file": ("ct.dcm", ct, "application/dicom")}, timeout=60)
+    assert r.status_code == 200, r.text
+    dom = r.json()["domain"]
+    assert dom["in_domain"] is False and dom["distance"] > dom["threshold"] and "beyond" in dom["reason"]
+    b = httpx.post(f"{server.url}/predict/batch", files=[("file", (f"{i}.png", digit_png(i), "image/png"))
+                                                         for i in range(8)], timeout=60)
+    verdicts = [res["domain"]["in_domain"] for res in b.json()["results"]]
+    assert len(verdicts) == 8 and sum(verdicts) >= 6, verdicts  # the digits it was trained on: mostly in
+
+
+def test_a_retrain_fits_its_own_detector_and_never_keeps_the_parents(fedavg_run, tmp_path):
+    """The parent's detector describes the parent's features: a retrain refits it, and a private retrain, which
+    cannot fit one, exports no stale one."""
+    from tafl.packaging.export import export_checkpoint
+    from tafl.training.checkpoint import load_checkpoint
+    from tafl.training.config import load_config
+    from tafl.training.simulator import train
+    from tests.conftest import CONFIGS
+
+    run, report = fedavg_run
+    parent = load_checkpoint(run / "final.pt")
+    again = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1}), tmp_path / "a", progress=False,
+                  init_from=parent)
+    assert again["domain_detector"]["fitted"] and again["domain_detector"]["threshold"] != \
+        report["domain_detector"]["threshold"]
+    head = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1, "train_scope": "head"}), tmp_path / "h",
+                 progress=False)  # DP's GroupNorm model, trained without DP: it has a detector
+    assert head["domain_detector"]["fitted"]
+    private = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1, "dp_epsilon": 8.0, "dp_delta": 1e-3}),
+                    tmp_path / "p", progress=False, init_from=load_checkpoint(tmp_path / "h" / "final.pt"))
+    assert private["domain_detector"]["fitted"] is False
+    pkg = export_checkpoint(tmp_path / "p" / "final.pt", tmp_path / "pkg")
+    assert "domain_distance" not in [o.name for o in pkg.meta.outputs] and pkg.meta.domain.detector.threshold is None
