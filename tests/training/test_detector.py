@@ -9,11 +9,12 @@ import json
 import httpx
 import numpy as np
 import pytest
-import torch
 from pydicom.data import get_testdata_file
 
-from tafl.training.detector import KEEP, distances, fit_gaussian
-from tests.conftest import digit_png
+torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
+
+from tafl.training.detector import KEEP, distances, fit_gaussian  # noqa: E402
+from tests.conftest import digit_png  # noqa: E402
 
 
 def test_the_sites_sums_give_the_pooled_gaussian():
