@@ -58,18 +58,20 @@ def test_a_pool_is_retired_after_its_quota_without_hanging(pool, monkeypatch):
 
 
 def test_a_killed_decoder_process_is_replaced_and_its_files_decoded_again(pool):
-    big = shared("dicom", "RG3_J2KR.dcm").read_bytes()  # a slow J2K decode, so the kill lands mid-decode
+    big = shared("dicom", "RG3_J2KR.dcm").read_bytes()  # a J2K decode of 0.15-0.3 s
     pids = pool.warm()
 
     async def go():
-        tasks = [asyncio.ensure_future(pool.decode(big)) for _ in range(4)]
-        await asyncio.sleep(0.3)
+        # eight decodes on two processes take at least four decode times: the kill lands while the pool holds
+        # work (after 0.3 s four fast decodes could all be done, and nothing would be replaced)
+        tasks = [asyncio.ensure_future(pool.decode(big)) for _ in range(8)]
+        await asyncio.sleep(0.05)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
     out = asyncio.run(go())
-    assert len(out) == 4 and all(d.kind == "dicom" and d.frames for d in out)
+    assert len(out) == 8 and all(d.kind == "dicom" and d.frames for d in out)
     assert pool.replaced >= 1
     assert asyncio.run(pool.decode(CT)).kind == "dicom"  # the new pool serves the next request
 
