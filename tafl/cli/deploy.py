@@ -103,7 +103,8 @@ def cmd_predict(ns: argparse.Namespace) -> int:
     with Client(ns.url, token=token) as client:
         for f in ns.files:
             try:
-                p = client.predict(f, model=ns.model, heatmap=heat_dir is not None, prior=ns.prior)
+                p = client.predict(f, model=ns.model, heatmap=heat_dir is not None, prior=ns.prior,
+                                   abstain=not ns.label_outside_domain)
             except ServiceCallError as exc:
                 if exc.status in (0, 401):
                     fatal = exc  # the service is unreachable or refuses us: nothing else will work either
@@ -124,10 +125,15 @@ def cmd_predict(ns: argparse.Namespace) -> int:
 def _prediction_row(f: str, p, heat_dir: Path | None) -> dict[str, Any]:
     row = {"file": f, "label": p.label, "class_name": p.class_name, "probability": p.probability,
            "experts": {e.name: e.class_name for e in p.experts}, "model": p.model,
-           "request_id": p.request_id, "prior": p.prior}
+           "request_id": p.request_id, "prior": p.prior, "abstained": p.abstained}
+    if p.domain is not None:
+        row["domain"] = {"in_domain": p.domain.in_domain, "distance": p.domain.distance,
+                         "threshold": p.domain.threshold, "reason": p.domain.reason}
+    if p.abstained:
+        row["reason"] = p.reason
     if p.frames:
-        row["frames"] = [{"frame": fr.frame, "class_name": fr.class_name, "probability": fr.probability}
-                         for fr in p.frames]
+        row["frames"] = [{"frame": fr.frame, "class_name": fr.class_name, "probability": fr.probability,
+                          "abstained": fr.abstained} for fr in p.frames]
     if heat_dir and p.heatmap:
         out = heat_dir / (Path(f).name + ".heatmap.png")
         out.write_bytes(p.heatmap.png)
@@ -146,15 +152,21 @@ def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
     for r in rows:
         if "error" in r:
             continue
+        if r["abstained"]:  # no finding: what the model says instead
+            print(f"{r['file']}: no finding: {r['reason']}  [{r['model']['name']} {r['model']['version']}]")
+            continue
         ex = " ".join(f"{k}={v}" for k, v in r["experts"].items())
         pr = r.get("prior") or {}
         note = f" prior={pr.get('used')}" + (f" (fallback: {pr['fallback']})" if pr.get("fallback") else "") \
             if pr.get("used") not in (None, "train") or pr.get("fallback") else ""
         print(f"{r['file']}: {r['class_name']} (p={r['probability']:.3f}) {ex}  "
               f"[{r['model']['name']} {r['model']['version']}]{note}" +
-              (f" heatmap {r['heatmap']}" if "heatmap" in r else ""))
+              (f" heatmap {r['heatmap']}" if "heatmap" in r else "") +
+              ("  OUTSIDE THE MODEL'S DOMAIN: not a finding" if not r.get("domain", {}).get("in_domain", True)
+               else ""))
         for fr in r.get("frames", [])[1:]:
-            print(f"    frame {fr['frame']}: {fr['class_name']} (p={fr['probability']:.3f})")
+            print(f"    frame {fr['frame']}: " + ("no finding (outside the model's domain)" if fr["abstained"] else
+                                                  f"{fr['class_name']} (p={fr['probability']:.3f})"))
 
 
 def cmd_score(ns: argparse.Namespace) -> int:
@@ -176,7 +188,8 @@ def cmd_score(ns: argparse.Namespace) -> int:
             summary = score_dicomweb(ns.dicomweb, ns.out, url=ns.url, package=ns.package,
                                      token=ns.token or env_str("TAFL_API_TOKEN"), model=ns.model,
                                      studies=ns.study, since=ns.since, modality=ns.modality, store_sr=ns.store_sr,
-                                     heatmap=ns.dicom_heatmap, concurrency=ns.concurrency, batch_size=ns.batch_size,
+                                     heatmap=ns.dicom_heatmap, not_assessed_sr=ns.not_assessed_sr,
+                                     concurrency=ns.concurrency, batch_size=ns.batch_size,
                                      resume=ns.resume, force=ns.force,
                                      progress=False if ns.no_progress else None, prior=ns.prior,
                                      sr_processes=None, site_mix=site_mix)
@@ -199,7 +212,7 @@ def cmd_score(ns: argparse.Namespace) -> int:
                            progress=False if ns.no_progress else None, prior=ns.prior, engine=ns.engine,
                            address=ns.address, workers=ns.workers, gpus_per_worker=ns.gpus_per_worker,
                            dicom_out=ns.dicom_out, dicom_heatmap=ns.dicom_heatmap, sr_processes=None,
-                           site_mix=site_mix)
+                           site_mix=site_mix, not_assessed_sr=ns.not_assessed_sr)
     print_summary(summary)
     return _score_status(summary)
 
@@ -217,6 +230,7 @@ def cmd_dicom_listen(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--drain-seconds must be a number of seconds >= 0, got {ns.drain_seconds:g}")
     dest = Destination.parse(ns.dest, ns.out_dir)
     serve(Listener(ns.package, dest, ae_title=ns.ae_title, host=ns.host, port=ns.port, spool=ns.spool,
-                   heatmap=ns.heatmap, max_queue=ns.max_queue, workers=ns.workers),
+                   heatmap=ns.heatmap, max_queue=ns.max_queue, workers=ns.workers,
+                   not_assessed_sr=ns.not_assessed_sr),
           **({} if ns.drain_seconds is None else {"drain_seconds": ns.drain_seconds}))
     return 0

@@ -117,6 +117,9 @@ def _client_verbs(sub) -> None:
     pr.add_argument("--prior", help="train (default), site (the site's own class mix the service was started with: "
                                     "tafl serve --site-mix), adaptive (the service's estimate of its served case "
                                     "mix), or comma-separated class probabilities")
+    pr.add_argument("--label-outside-domain", action="store_true",
+                    help="show the label even for an image the model's in-domain detector puts outside its domain, "
+                         "marked (default: off: the model abstains and says why)")
     pr.set_defaults(func=cmd_predict)
 
     sc = sub.add_parser("score", help="score every image in a folder, or in a PACS over DICOMweb, into a CSV or "
@@ -155,6 +158,10 @@ def _client_verbs(sub) -> None:
     sc.add_argument("--dicom-out", metavar="DIR", help="also write a DICOM SR per DICOM input into DIR (resumable)")
     sc.add_argument("--dicom-heatmap", action="store_true",
                     help="with --dicom-out or --store-sr: the heatmap as a secondary capture too")
+    sc.add_argument("--not-assessed-sr", action="store_true",
+                    help="with --dicom-out or --store-sr: an image outside the model's domain gets an SR that says "
+                         "'not assessed: outside the model's domain' (default: no SR for it; its row has "
+                         "in_domain false and no label)")
     pacs = sc.add_argument_group("scoring from a PACS over DICOMweb (docs/pacs.md; credentials from "
                                  "TAFL_DICOMWEB_TOKEN or TAFL_DICOMWEB_USER/TAFL_DICOMWEB_PASSWORD)")
     pacs.add_argument("--dicomweb", metavar="URL", help="the PACS's DICOMweb base URL instead of a FOLDER, e.g. "
@@ -220,6 +227,9 @@ def _service_verbs(sub) -> None:
     dl.add_argument("--spool", default="tafl-dicom-spool", help="received instances wait here, durably, until "
                                                                 "their SR is stored (default ./tafl-dicom-spool)")
     dl.add_argument("--heatmap", action="store_true", help="also store the heatmap as a secondary capture")
+    dl.add_argument("--not-assessed-sr", action="store_true",
+                    help="an image outside the model's domain gets an SR that says 'not assessed: outside the model's "
+                         "domain' (default: no SR; the instance goes to the spool's failed/ with the reason)")
     dl.add_argument("--max-queue", type=int, default=1000,
                     help="instances waiting in the spool before C-STOREs are refused with 0xA700 (a sender may not "
                          "retry: Orthanc does not); default 1000, about 0.5 GB of CT slices on disk")

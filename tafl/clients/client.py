@@ -44,21 +44,42 @@ class Heatmap:
 
 
 @dataclass(frozen=True)
+class DomainVerdict:
+    """The package's in-domain detector on one image: its distance, the package's threshold, in or out, and why."""
+
+    in_domain: bool
+    distance: float
+    threshold: float
+    reason: str
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> DomainVerdict | None:
+        return None if not d else cls(bool(d["in_domain"]), float(d["distance"]), float(d["threshold"]),
+                                      str(d.get("reason", "")))
+
+
+@dataclass(frozen=True)
 class FrameResult:
     frame: int
-    label: int
-    class_name: str
-    probability: float
-    probabilities: dict[str, float]
+    label: int | None  # None: the model abstained (the frame lies outside its domain)
+    class_name: str | None
+    probability: float | None
+    probabilities: dict[str, float] | None
     experts: list[ExpertVote]
+    abstained: bool = False
+    domain: DomainVerdict | None = None
 
 
 @dataclass(frozen=True)
 class Prediction:
-    label: int
-    class_name: str
-    probability: float
-    probabilities: dict[str, float]
+    """One image's answer. With a package that has an in-domain detector, `domain` is its verdict; an image outside
+    the model's domain is `abstained` (no label, class or probability; `reason` says why) unless the request asked
+    for the label anyway (`abstain=False`: the label comes back with `domain.in_domain` False)."""
+
+    label: int | None
+    class_name: str | None
+    probability: float | None
+    probabilities: dict[str, float] | None
     experts: list[ExpertVote]
     model: dict[str, str]
     request_id: str
@@ -68,6 +89,14 @@ class Prediction:
     frames: list[FrameResult] | None = None
     prior: dict[str, Any] | None = None  # which prior decided (train, adaptive, explicit) and the estimate behind it
     calibrated_probabilities: dict[str, float] | None = None  # asked for with posteriors=True
+    abstained: bool = False
+    domain: DomainVerdict | None = None
+    reason: str = ""  # why the model abstained
+
+    @property
+    def in_domain(self) -> bool:
+        """False when the package's detector put the image outside the model's domain (True without a detector)."""
+        return self.domain is None or self.domain.in_domain
 
     @property
     def model_version(self) -> str:
@@ -85,8 +114,11 @@ class Prediction:
                    request_id=b.get("request_id", ""), timing_ms=b.get("timing_ms", {}), input=b.get("input", {}),
                    heatmap=Heatmap(base64.b64decode(hm["png_base64"]), tuple(hm["shape"]), hm["kind"]) if hm else None,
                    frames=[FrameResult(f["frame"], f["label"], f["class_name"], f["probability"], f["probabilities"],
-                                       votes(f.get("experts", []))) for f in frames] if frames else None,
-                   prior=b.get("prior"), calibrated_probabilities=b.get("calibrated_probabilities"))
+                                       votes(f.get("experts", [])), bool(f.get("abstained")),
+                                       DomainVerdict.from_json(f.get("domain"))) for f in frames] if frames else None,
+                   prior=b.get("prior"), calibrated_probabilities=b.get("calibrated_probabilities"),
+                   abstained=bool(b.get("abstained")), domain=DomainVerdict.from_json(b.get("domain")),
+                   reason=b.get("reason", ""))
 
 
 def _payload(image: str | Path | bytes) -> tuple[str, bytes]:
@@ -169,9 +201,12 @@ class _Base:
         raise ServiceCallError(0, f"cannot reach {self.url} after {self.retries + 1} attempts "
                                   f"({type(last).__name__}: {last})") from last
 
-    def _form(self, image, model, heatmap, prior: str | None = None, posteriors: bool = False) -> tuple[dict, dict]:
+    def _form(self, image, model, heatmap, prior: str | None = None, posteriors: bool = False,
+              abstain: bool = True) -> tuple[dict, dict]:
         name, data = _payload(image)
         fields = {"heatmap": "true" if heatmap else "false"}
+        if not abstain:
+            fields["abstain"] = "false"
         if model:
             fields["model"] = model
         if prior:
@@ -182,10 +217,11 @@ class _Base:
 
     @staticmethod
     def _batch_form(images: list[str | Path | bytes], model: str | None, prior: str | None,
-                    posteriors: bool) -> tuple[list, dict[str, str] | None]:
+                    posteriors: bool, abstain: bool = True) -> tuple[list, dict[str, str] | None]:
         files = [("file", (name, data, "application/octet-stream")) for name, data in map(_payload, images)]
         data = {k: v for k, v in (("model", model), ("prior", prior),
-                                  ("posteriors", "true" if posteriors else None)) if v}
+                                  ("posteriors", "true" if posteriors else None),
+                                  ("abstain", None if abstain else "false")) if v}
         return files, data or None
 
     @staticmethod
@@ -227,19 +263,20 @@ class Client(_Base):
         self._give_up(last)
 
     def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
-                prior: str | None = None, posteriors: bool = False) -> Prediction:
+                prior: str | None = None, posteriors: bool = False, abstain: bool = True) -> Prediction:
         """`prior`: train (default), site (the service's own site mix, from its --site-mix), adaptive (the service's
         estimate of its served case mix) or comma-separated class probabilities; the answer's `prior` says which
-        one decided."""
-        files, data = self._form(image, model, heatmap, prior, posteriors)
+        one decided. `abstain=False`: the label even for an image outside the model's domain (marked, in
+        `domain`); by default such an image comes back `abstained`, with no label."""
+        files, data = self._form(image, model, heatmap, prior, posteriors, abstain)
         return Prediction.from_json(self._call("POST", "/predict", files=files, data=data).json())
 
     def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None, prior: str | None = None,
-                      posteriors: bool = False) -> list[Prediction | ServiceCallError]:
+                      posteriors: bool = False, abstain: bool = True) -> list[Prediction | ServiceCallError]:
         """One request for several images; each comes back as a Prediction or the error for that image.
         `prior`: train (default), site, adaptive, or comma-separated class probabilities; `posteriors`: also return
-        each image's calibrated probabilities."""
-        files, data = self._batch_form(images, model, prior, posteriors)
+        each image's calibrated probabilities; `abstain`: as in `predict`."""
+        files, data = self._batch_form(images, model, prior, posteriors, abstain)
         return self._batch_results(self._call("POST", "/predict/batch", files=files, data=data).json())
 
     def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:
@@ -291,15 +328,16 @@ class AsyncClient(_Base):
         self._give_up(last)
 
     async def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
-                      prior: str | None = None, posteriors: bool = False) -> Prediction:
+                      prior: str | None = None, posteriors: bool = False, abstain: bool = True) -> Prediction:
         """As `Client.predict`."""
-        files, data = self._form(image, model, heatmap, prior, posteriors)
+        files, data = self._form(image, model, heatmap, prior, posteriors, abstain)
         return Prediction.from_json((await self._call("POST", "/predict", files=files, data=data)).json())
 
     async def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None,
-                            prior: str | None = None, posteriors: bool = False) -> list[Prediction | ServiceCallError]:
+                            prior: str | None = None, posteriors: bool = False,
+                            abstain: bool = True) -> list[Prediction | ServiceCallError]:
         """As `Client.predict_batch`: one request, each image's Prediction or its error, in order."""
-        files, data = self._batch_form(images, model, prior, posteriors)
+        files, data = self._batch_form(images, model, prior, posteriors, abstain)
         return self._batch_results((await self._call("POST", "/predict/batch", files=files, data=data)).json())
 
     async def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:

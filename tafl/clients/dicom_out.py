@@ -45,9 +45,11 @@ class DicomWriter:
     without one (`tafl score --dicomweb --store-sr`) `submit` only builds them, for the caller to file."""
 
     def __init__(self, out_dir: str | Path | None, folder: Path | None, scorer: Any, heatmap: bool = False,
-                 processes: int = 0):
+                 processes: int = 0, not_assessed: bool = False):
         self.out = None if out_dir is None else Path(out_dir)
         self.folder, self.scorer, self.heatmap = folder, scorer, heatmap
+        # a row outside the model's domain: no SR (default), or one that says "not assessed"
+        self.not_assessed = not_assessed
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
         self.written = 0
@@ -78,13 +80,18 @@ class DicomWriter:
         from tafl.clients.results import sniff
 
         src = self.folder / row.path
-        if row.error or sniff(src) != "dicom":
+        if not self.wants(row) or sniff(src) != "dicom":
             return None
         try:
             data = src.read_bytes()
         except OSError as exc:
             return _failed(exc)
         return self.submit(data, row)
+
+    def wants(self, row: Any) -> bool:
+        """Whether a scored row gets an SR: not a failed row, and outside the model's domain only when the site asked
+        for a "not assessed" SR (a finding is never filed for it)."""
+        return not row.error and (not row.abstained or self.not_assessed)
 
     def finish(self, row: Any, made: concurrent.futures.Future | None) -> None:
         """Wait for the row's SR (and SC) and write them, the SC first (the SR references it); a failure is listed."""
@@ -107,7 +114,7 @@ class DicomWriter:
         them; through the service the call is made here."""
         try:
             if self.algo is None:
-                return _done(self._remote(data))
+                return _done(self._remote(data, row))
             build = self._local(data, row)
         except (TaflError, OSError) as exc:
             return _failed(exc)
@@ -142,6 +149,9 @@ class DicomWriter:
         """What builds the SR (and SC): a picklable call, with the heatmap (an ONNX run) already made here."""
         names = self.algo.class_names
         idx = {n: i for i, n in enumerate(names)}
+        if row.abstained:
+            return functools.partial(dicom_sr.encoded, dicom_sr.read_header(data),
+                                     dicom_sr.Finding(None, None, [], None, dicom_sr.NOT_ASSESSED), self.algo, None)
         finding = dicom_sr.Finding(int(row.label), float(row.probability),
                                    [(e, idx[c], None) for e, c in row.experts.items() if c in idx])
         rgb = None
@@ -158,9 +168,11 @@ class DicomWriter:
                 finding.frame = 1
         return functools.partial(dicom_sr.encoded, dicom_sr.read_header(data), finding, self.algo, rgb)
 
-    def _remote(self, data: bytes) -> list[bytes]:
+    def _remote(self, data: bytes, row: Any) -> list[bytes]:
         client = self.scorer.client
-        fields = {"format": "sr", "heatmap": "true" if self.heatmap else "false"}
+        fields = {"format": "sr", "heatmap": "true" if self.heatmap and not row.abstained else "false"}
+        if row.abstained:
+            fields["not_assessed"] = "true"
         if self.scorer.model:
             fields["model"] = self.scorer.model
         # a refusal (ServiceCallError, a TaflError) is this file's failure, listed in the summary

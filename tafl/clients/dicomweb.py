@@ -420,7 +420,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
                    force: bool = False, progress: bool | None = None, on_row: Callable[[Any], None] | None = None,
                    prior: str = "train", retries: int = 5, backoff: float = 0.5,
                    sr_processes: int | None = 0, site_mix: str | None = None,
-                   prior_adaptive: str | None = None) -> dict[str, Any]:
+                   prior_adaptive: str | None = None, not_assessed_sr: bool = False) -> dict[str, Any]:
     """Score the instances QIDO finds on `dicomweb` into `out` (see the module's text); the folder job's summary,
     plus `stored_sr` (instances whose SR was filed) and `sr_refused`. `sr_processes`, `site_mix` and
     `prior_adaptive` as for tafl.clients.score.score_folder (None: min(2, cores) for 16 instances or more, as
@@ -444,7 +444,7 @@ def score_dicomweb(dicomweb: str, out: str | Path, *, url: str | None = None, pa
     writer = None
     if store_sr:
         procs = processes_for(len(todo)) if sr_processes is None else sr_processes
-        writer = DicomWriter(None, None, scorer, heatmap=heatmap, processes=procs)
+        writer = DicomWriter(None, None, scorer, heatmap=heatmap, processes=procs, not_assessed=not_assessed_sr)
     tally = Tally(dict(results.done_counts))
     skipped = [r.key for r in others]
     skipped_why = {r.key: skip_reason(r) for r in others}  # what each is, for the summary
@@ -593,7 +593,7 @@ class _Batches:
     def make_srs(self, rows: list[tuple[Any, Path | None]]) -> dict[int, Any]:
         """Start building the batch's SRs (side by side in the writer's processes, when it has them)."""
         return {i: self.writer.submit(path.read_bytes(), row) for i, (row, path) in enumerate(rows)
-                if not row.error and path is not None}
+                if self.writer.wants(row) and path is not None}
 
     def file(self, rows: list[tuple[Any, Path | None]], making: dict[int, Any] | None) -> list[Any]:
         """STOW the batch's SRs (one request), then mark what was refused; the rows, in order."""

@@ -152,7 +152,8 @@ def explicit_ratio(meta: PackageMetadata, prior: str) -> np.ndarray:
 def open_results(out: Path, scorer: Any, job: JobPrior, *, resume: bool, force: bool) -> ResultsFile:
     """The results file, with a column per expert and, for --prior adaptive, one per class's posterior."""
     return ResultsFile(out, scorer.meta.expert_names, resume=resume, force=force,
-                       num_posteriors=len(scorer.meta.class_names) if job.adaptive else 0)
+                       num_posteriors=len(scorer.meta.class_names) if job.adaptive else 0,
+                       domain=scorer.meta.domain.detector.threshold is not None)
 
 
 # ------------------------------------------------------------------ what the job wrote, and its summary
@@ -164,12 +165,15 @@ class Tally:
     counts: dict[str, int]
     failed: list[tuple[str, str]] = field(default_factory=list)
     predicted: int = 0
+    abstained: int = 0  # rows outside the model's domain: no label, not in the class mix
 
     def add(self, row: Row, predicted: bool) -> None:
         """`row` as written; `predicted`: it has a label that counts in the class mix."""
         if row.error:
             self.failed.append((row.path, row.error))
-        if predicted:
+        if row.abstained:
+            self.abstained += 1
+        elif predicted:
             self.counts[row.class_name] = self.counts.get(row.class_name, 0) + 1
             self.predicted += 1
 
@@ -188,6 +192,7 @@ def summarise(meta: PackageMetadata, tally: Tally, out: Path, *, images: int, to
             "training_share": train[c] if train else None} for c, n in enumerate(names)]
     summary = {"images": images, "scored_now": todo, "already_done": images - todo,
                "predicted": tally.predicted, "predicted_in_file": scored, "failed": tally.failed, "skipped": skipped,
+               "abstained": tally.abstained,
                "class_mix": mix, "out": str(out), "prior": {"used": "explicit" if explicit is not None else "train"}}
     if job.mode == "site" and explicit is not None:  # --prior site: the site's own mix, as the graph was given it
         summary["prior"] = {"used": "site", "prior": dict(zip(names, (float(v) for v in explicit.split(","))))}
@@ -272,6 +277,9 @@ def redecide_adaptive(out: Path, meta: PackageMetadata, site_mix: str | None = N
 def print_summary(s: dict[str, Any]) -> None:
     print(f"\n{s['images']} image(s): {s['scored_now']} scored now, {s['already_done']} already in {s['out']}; "
           f"{len(s['failed'])} failed, {len(s['skipped'])} other file(s) skipped")
+    if s.get("abstained"):
+        print(f"{s['abstained']} image(s) outside the model's domain: no label (in_domain false in the results; "
+              "not in the class mix below)")
     if not s.get("predicted_in_file", s["predicted"]):
         print("no image has a prediction yet, so there is no class mix to show")
     else:

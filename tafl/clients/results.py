@@ -63,6 +63,13 @@ class Row:
     model_version: str = ""
     error: str = ""
     posteriors: list[float] | None = None  # calibrated, under the source prior (--prior adaptive)
+    in_domain: bool | None = None  # the package's in-domain detector's verdict; None: the package has none
+    domain_distance: float | None = None
+
+    @property
+    def abstained(self) -> bool:
+        """Outside the model's domain: no label (the row's class columns are empty)."""
+        return self.in_domain is False
 
 
 ADAPTIVE_COLUMNS = ["adaptive_label", "adaptive_class_name"]
@@ -88,14 +95,17 @@ def csv_uncell(text: str) -> str:
 class ResultsFile:
     """Append-only CSV or JSONL whose every line is complete (one write per row, then flush)."""
 
-    def __init__(self, path: Path, expert_names: list[str], *, resume: bool, force: bool, num_posteriors: int = 0):
+    def __init__(self, path: Path, expert_names: list[str], *, resume: bool, force: bool, num_posteriors: int = 0,
+                 domain: bool = False):
         self.path, self.expert_names = path, expert_names
         self.jsonl = path.suffix.lower() == ".jsonl"
         if path.suffix.lower() not in (".csv", ".jsonl"):
             raise ConfigError(f"--out {path}: use a .csv or .jsonl file")
         self.post_cols = [f"p{c}" for c in range(num_posteriors)]
+        # domain: the package has an in-domain detector; in_domain false is a row the model abstained on (no label)
+        self.domain_cols = ["in_domain", "domain_distance"] if domain else []
         self.columns = (["path", "label", "class_name", "probability"] + [f"expert_{e}" for e in expert_names]
-                        + ["model", "model_version", "error"] + self.post_cols)
+                        + self.domain_cols + ["model", "model_version", "error"] + self.post_cols)
         self.done: set[str] = set()
         self.done_counts: dict[str, int] = {}  # resume: the class names already predicted in the file
         if path.exists() and path.stat().st_size > 0:
@@ -152,7 +162,9 @@ class ResultsFile:
     def write(self, row: Row) -> None:
         experts = {f"expert_{e}": row.experts.get(e, "") for e in self.expert_names}
         rec = {"path": row.path, "label": row.label, "class_name": row.class_name, "probability": row.probability,
-               **experts, "model": row.model, "model_version": row.model_version, "error": row.error,
+               **experts, **({"in_domain": row.in_domain, "domain_distance": row.domain_distance}
+                             if self.domain_cols else {}),
+               "model": row.model, "model_version": row.model_version, "error": row.error,
                **{c: (row.posteriors[i] if row.posteriors else None) for i, c in enumerate(self.post_cols)}}
         if self.jsonl:
             self._write_line(json.dumps(rec) + "\n")

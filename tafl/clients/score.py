@@ -32,7 +32,7 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
                  address: str | None = None, workers: int | None = None, gpus_per_worker: float = 0.0,
                  dicom_out: str | Path | None = None, dicom_heatmap: bool = False,
                  sr_processes: int | None = 0, site_mix: str | None = None,
-                 prior_adaptive: str | None = None) -> dict[str, Any]:
+                 prior_adaptive: str | None = None, not_assessed_sr: bool = False) -> dict[str, Any]:
     """`engine`: local (this process) or ray (tafl.clients.ray_engine: a pool of `workers` actors on the Ray cluster
     at `address`, or on a local instance started for the job, each with `gpus_per_worker` GPUs; needs --package).
     `prior`: train (the model's own rule); adaptive (each row keeps its calibrated posteriors; at the end the
@@ -73,7 +73,8 @@ def score_folder(folder: str | Path, out: str | Path, *, url: str | None = None,
         from tafl.clients.dicom_out import DicomWriter, processes_for
 
         procs = processes_for(len(todo)) if sr_processes is None else sr_processes
-        dicom = DicomWriter(dicom_out, folder, scorer, heatmap=dicom_heatmap, processes=procs)
+        dicom = DicomWriter(dicom_out, folder, scorer, heatmap=dicom_heatmap, processes=procs,
+                            not_assessed=not_assessed_sr)
     tally = Tally(dict(results.done_counts))  # the class mix of the whole file, earlier rows too
     try:
         _score_rows(scorer, todo, rel, results, dicom, tally, total=len(images), progress=progress, on_row=on_row)

@@ -15,6 +15,7 @@ import numpy as np
 
 from tafl.clients.results import Row
 from tafl.errors import DataError, TaflError
+from tafl.packaging.domain import in_domain_rows
 from tafl.packaging.metadata import PackageMetadata
 
 
@@ -50,7 +51,7 @@ class RemoteScorer:
         if readable:
             try:
                 answers = self.client.predict_batch([d for _, d in readable], model=self.model, prior=self.prior,
-                                                    posteriors=self.posteriors)
+                                                    posteriors=self.posteriors)  # outside the domain: abstained
             except ServiceCallError as exc:
                 if exc.status == 0 or exc.status >= 500 or exc.status in (401, 404):
                     raise  # the service, not the files, failed: stop the job (the file stays resumable)
@@ -58,11 +59,16 @@ class RemoteScorer:
             for (p, _), a in zip(readable, answers):
                 if isinstance(a, ServiceCallError):
                     rows[p] = Row(rel(p), error=f"{a.status} {a.code}: {a.detail}")
+                elif a.abstained:  # outside the model's domain: a row without a label, its verdict in the columns
+                    rows[p] = Row(rel(p), None, "", None, {}, a.model["name"], a.model["version"],
+                                  in_domain=False, domain_distance=a.domain.distance if a.domain else None)
                 else:
                     cal = a.calibrated_probabilities
                     rows[p] = Row(rel(p), a.label, a.class_name, a.probability,
                                   {e.name: e.class_name for e in a.experts}, a.model["name"], a.model["version"],
-                                  posteriors=[cal[n] for n in self.meta.class_names] if cal else None)
+                                  posteriors=[cal[n] for n in self.meta.class_names] if cal else None,
+                                  in_domain=a.domain.in_domain if a.domain else None,
+                                  domain_distance=a.domain.distance if a.domain else None)
         return [rows[p] for p in paths]
 
     def score(self, paths: list[Path], rel: Callable[[Path], str]) -> Iterator[Row]:
@@ -113,7 +119,13 @@ class LocalScorer:
                     rows[p] = Row(rel(p), error=f"unreadable: {exc.strerror or exc}")
             if ok:
                 out = self.pkg.run(self.session, pre.normalize(np.stack(arrays)), self.ratio)
+                keep = in_domain_rows(self.meta, out)
                 for i, p in enumerate(ok):
+                    dist = None if keep is None else float(out["domain_distance"][i])
+                    if keep is not None and not keep[i]:  # outside the model's domain: no label
+                        rows[p] = Row(rel(p), None, "", None, {}, self.pkg.name, self.pkg.version, in_domain=False,
+                                      domain_distance=dist)
+                        continue
                     label = int(out["label"][i])
                     ex = {}
                     if "expert_labels" in out:
@@ -122,7 +134,8 @@ class LocalScorer:
                     if "calibrated_probs" in out and self.ratio is None:
                         post = [float(v) for v in out["calibrated_probs"][i]]
                     rows[p] = Row(rel(p), label, names[label], float(out["probs"][i, label]), ex, self.pkg.name,
-                                  self.pkg.version, posteriors=post)
+                                  self.pkg.version, posteriors=post, in_domain=None if keep is None else True,
+                                  domain_distance=dist)
             for p in chunk:
                 yield rows[p]
 

@@ -41,6 +41,7 @@ from tafl.errors import UnprocessableImage, UnsupportedMedia
 LOCAL_SCHEME = "99TAFL"
 LOCAL_SCHEME_NAME = "tafl local codes"
 MANUFACTURER = "tafl"
+NOT_ASSESSED = "Not assessed: outside the model's domain"  # an SR for an image the model abstained on
 SR_SERIES_NUMBER = 9901
 SC_SERIES_NUMBER = 9902
 SR_STORAGE = "1.2.840.10008.5.1.4.1.1.88.33"  # Comprehensive SR
@@ -75,16 +76,21 @@ class Algorithm:
 
 @dataclass
 class Finding:
-    """One prediction: the class, its probability, and each expert's vote (name, class index, probability)."""
+    """One prediction: the class, its probability, and each expert's vote (name, class index, probability); or,
+    for an image outside the model's domain, no class and `not_assessed`, the reason (an SR a site asked for that
+    says the image was not assessed)."""
 
-    label: int
-    probability: float
+    label: int | None
+    probability: float | None
     experts: list[tuple[str, int, float | None]] = field(default_factory=list)
     frame: int | None = None  # 1-based frame number of a multi-frame source; None: single frame
+    not_assessed: str | None = None
 
     @classmethod
     def from_result(cls, result: dict[str, Any], class_names: list[str], frame: int | None = None) -> Finding:
         """From the service's per-frame result (tafl.serving.results.frame_result) or a scoring row's facts."""
+        if result.get("abstained"):
+            return cls(None, None, [], frame, str(result.get("reason") or NOT_ASSESSED))
         idx = {n: i for i, n in enumerate(class_names)}
         experts = [(e["name"], idx[e["class_name"]], e.get("probability")) for e in result.get("experts", [])]
         return cls(int(result["label"]), float(result["probability"]), experts, frame)
@@ -226,9 +232,14 @@ def structured_report(source, finding: Finding, algo: Algorithm, heatmap_sc=None
             uid=_uid(algo.checksum, "device"), name=f"{algo.name} {algo.version}"[:64], manufacturer_name=MANUFACTURER,
             model_name=algo.name[:64], serial_number=algo.checksum[:16]))
     evaluations = []  # the predicted class is the group's Finding (121071, TID 1501's finding type)
-    measurements = [Measurement(name=_local("probability", "Probability of the finding"),
-                                value=float(finding.probability), unit=CodedConcept("1", "UCUM", "no units"),
-                                algorithm_id=algo_id)]
+    measurements = []
+    if finding.label is None:  # not assessed: no finding, the reason as the group's evaluation
+        evaluations.append(QualitativeEvaluation(_local("assessment", "Assessment"),
+                                                 _local("not-assessed", NOT_ASSESSED)))
+    else:
+        measurements.append(Measurement(name=_local("probability", "Probability of the finding"),
+                                        value=float(finding.probability), unit=CodedConcept("1", "UCUM", "no units"),
+                                        algorithm_id=algo_id))
     for name, lab, prob in finding.experts:
         evaluations.append(QualitativeEvaluation(_local(f"expert-vote:{name}"[:16], f"Expert vote: {name}"),
                                                  codes_[lab]))
@@ -240,8 +251,8 @@ def structured_report(source, finding: Finding, algo: Algorithm, heatmap_sc=None
     group = MeasurementsAndQualitativeEvaluations(
         tracking_identifier=TrackingIdentifier(uid=_uid(src_uid, algo.checksum, "tracking"),
                                                identifier=f"tafl {algo.name} classification"[:64]),
-        finding_type=codes_[finding.label], algorithm_id=algo_id,
-        measurements=measurements, qualitative_evaluations=evaluations or None,
+        finding_type=None if finding.label is None else codes_[finding.label], algorithm_id=algo_id,
+        measurements=measurements or None, qualitative_evaluations=evaluations or None,
         source_images=[SourceImageForMeasurementGroup(str(source.SOPClassUID), src_uid, frames)])
     if heatmap_sc is not None:
         group[0].ContentSequence.append(ImageContentItem(
@@ -263,7 +274,8 @@ def structured_report(source, finding: Finding, algo: Algorithm, heatmap_sc=None
                                                                        "sr-series"),
         series_number=SR_SERIES_NUMBER, sop_instance_uid=_uid(src_uid, algo.checksum, "sr"), instance_number=1,
         manufacturer=MANUFACTURER, is_complete=False, is_final=False, is_verified=False,
-        series_description=f"AI result {algo.name} {algo.version} (unverified)"[:64])
+        series_description=(f"AI result {algo.name} {algo.version} (unverified)" if finding.label is not None else
+                            f"AI {algo.name} {algo.version}: not assessed")[:64])
     scheme = pydicom_dataset()
     scheme.CodingSchemeDesignator, scheme.CodingSchemeName = LOCAL_SCHEME, LOCAL_SCHEME_NAME
     scheme.CodingSchemeResponsibleOrganization = MANUFACTURER

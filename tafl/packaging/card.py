@@ -145,4 +145,13 @@ def _detector_line(det: Detector) -> str:
             "validation images) an image lies outside the training domain.")
     if det.test_refused is not None:
         line += f" It refuses {100 * det.test_refused:.1f}% of the in-domain test split."
+    if det.detection:
+        line += " Measured at training against images it must not answer (AUROC; share the threshold lets through): "
+        line += "; ".join(f"{FAR_SET_NAMES.get(k, k)} {v.get('auroc', float('nan')):.3f} "
+                          f"({100 * v.get('accepted', float('nan')):.1f}%)" for k, v in det.detection.items()) + "."
     return line
+
+
+FAR_SET_NAMES = {"dicom": "DICOM images of other modalities", "photos": "photographs", "digits": "handwritten digits",
+                 "other_dataset": "another dataset's images", "noise": "noise", "constant": "blank frames",
+                 "unseen_class": "a class left out of training"}

@@ -9,7 +9,10 @@ the parent package was told.
 
 A field the training data gives comes from the data (DICOM files in a folder dataset give the modalities and SOP
 classes; every dataset gives colour or greyscale, when at least COLOUR_SHARE of its training images agree); a
-declared field replaces it. Standard library and pydicom's UID table only.
+declared field replaces it. Standard library, numpy and pydicom's UID table only.
+
+The learned detector's verdict on a graph's `domain_distance` (`domain_verdict`, `in_domain_rows`) is here too: the
+service, the listener and in-process scoring all read it the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import difflib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import numpy as np
 
 from tafl.errors import ConfigError
 from tafl.packaging.metadata import COLOURS, InputDomain
@@ -139,3 +144,28 @@ def _sop_class(value: str) -> str:
         hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
         raise ConfigError(f"--domain sop-class: {value!r} is no SOP class name{hint}")
     return value
+
+
+# ------------------------------------------------------------------ the learned detector's verdict
+def in_domain_rows(meta: Any, out: dict[str, np.ndarray]) -> np.ndarray | None:
+    """(N,) bool: which rows of a package's graph outputs its detector keeps (`meta`: its PackageMetadata); None for
+    a package without one (every row counts)."""
+    threshold = meta.domain.detector.threshold
+    if threshold is None or "domain_distance" not in out:
+        return None
+    return np.asarray(out["domain_distance"]) <= threshold
+
+
+def domain_verdict(meta: Any, out: dict[str, np.ndarray], i: int) -> dict[str, Any] | None:
+    """The learned in-domain detector's verdict on row `i` (docs/design.md, "The input domain"): its distance, the
+    package's threshold, in or out, and why; None for a package without a detector."""
+    det = meta.domain.detector
+    threshold = det.threshold
+    if threshold is None or "domain_distance" not in out:
+        return None
+    d = float(out["domain_distance"][i])
+    inside = d <= threshold
+    keep = det.keep
+    why = (f"its features lie {'within' if inside else 'beyond'} the distance that keeps {100 * keep:.0f}% of the "
+           f"model's validation images ({d:.1f} {'≤' if inside else '>'} {threshold:.1f})")
+    return {"in_domain": inside, "distance": d, "threshold": threshold, "reason": why}

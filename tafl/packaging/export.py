@@ -403,10 +403,13 @@ def _detector_spec(ck: dict[str, Any], ck_path: Path) -> dict[str, Any] | None:
         return None
     out = {k: v for k, v in rec.items() if k not in ("classes", "clients")}
     rep = ck_path.parent / "report.json"
-    test = (json.loads(rep.read_text()).get("domain_detector") or {}).get("test") if rep.is_file() else None
+    measured = (json.loads(rep.read_text()).get("domain_detector") or {}) if rep.is_file() else {}
+    test = measured.get("test")
     if rec.get("fitted") and test:
         out["test"] = {k: test[k] for k in ("images", "refused", "balanced_accuracy_all", "balanced_accuracy_accepted")
                        if k in test}
+    if rec.get("fitted") and measured.get("detection"):  # the package's own score, the Mahalanobis distance
+        out["detection"] = {name: m["mahalanobis"] for name, m in measured["detection"].items() if "mahalanobis" in m}
     return out
 
 

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tafl.errors import (BadRequest, ConfigError, PayloadTooLarge, ServiceError, TaflError,
+from tafl.errors import (BadRequest, ConfigError, OutsideDomain, PayloadTooLarge, ServiceError, TaflError,
                          UnsupportedMedia)
 from tafl.serving.context import ServingState
 from tafl.serving.decoding import decode_upload
@@ -155,6 +155,7 @@ class Prediction:
     posteriors: bool = False
     heatmap: bool = False
     sr_source: bytes | None = None  # the DICOM upload, when the answer is an SR
+    not_assessed: bool = False  # an SR that says "not assessed" for an image outside the model's domain
     timing: tuple[float, float, float] = (0.0, 0.0, 0.0)
     results: list[dict[str, Any]] = field(default_factory=list)
 
@@ -169,9 +170,13 @@ async def predict_one(request: Request, call: Call) -> Prediction:
     call.audit.update(model=model.name, version=model.package.version)
     want_heat = flag(options.get("heatmap", "false"), "heatmap")
     posteriors = flag(options.get("posteriors", "false"), "posteriors")
+    abstain = flag(options.get("abstain", "true"), "abstain")
     from tafl.serving.dicom_results import wants_sr
 
     sr_source = data if wants_sr(request, options, data) else None  # format=sr: a 415 for a non-DICOM
+    if sr_source is not None:  # an SR never files a label for an image outside the model's domain
+        abstain = True
+    not_assessed = flag(options.get("not_assessed", "false"), "not_assessed")
     ratio, prior = prior_choice(model, options)
     s = st.settings
     t0 = time.perf_counter()
@@ -183,8 +188,9 @@ async def predict_one(request: Request, call: Call) -> Prediction:
     out = await st.classify(model, decoded.frames, ratio)
     t2 = time.perf_counter()
     call.audit.update(kind=decoded.kind, frames=len(decoded.frames), prior=prior["used"])
-    results = [frame_result(model.package, out, i, posteriors) for i in range(len(decoded.frames))]
-    return Prediction(model, decoded, out, prior, posteriors, want_heat, sr_source, (t0, t1, t2), results)
+    results = [frame_result(model.package, out, i, posteriors, abstain) for i in range(len(decoded.frames))]
+    return Prediction(model, decoded, out, prior, posteriors, want_heat, sr_source, not_assessed, (t0, t1, t2),
+                      results)
 
 
 @endpoint("/predict")
@@ -194,10 +200,14 @@ async def predict(request: Request, call: Call) -> Response:
     if p.sr_source is not None:  # DICOM SR (+ secondary capture) instead of JSON: tafl.serving.dicom_results
         from tafl.serving.dicom_results import sr_response
 
-        resp = await sr_response(model, p.sr_source, first, p.decoded.frames,
-                                 p.out["heatmap"][0] if p.heatmap else None, call.rid, st.decode_pool)
+        if first["abstained"] and not p.not_assessed:
+            st.abstained(model)
+            raise OutsideDomain(f"no structured report: {first['reason']}; add not_assessed=true for an SR that "
+                                "says the image was not assessed")
+        heat = p.out["heatmap"][0] if p.heatmap and not first["abstained"] else None
+        resp = await sr_response(model, p.sr_source, first, p.decoded.frames, heat, call.rid, st.decode_pool)
         for r in results:
-            st.count(model, r["class_name"])
+            st.tally(model, r)
         audit(**call.audit, status=200, format="sr", label=first["label"], class_name=first["class_name"],
               timing_ms=call.ms())
         return resp
@@ -209,13 +219,13 @@ async def predict(request: Request, call: Call) -> Response:
                             "prior": p.prior}
     if len(results) > 1:
         body["frames"] = [{"frame": i, **r} for i, r in enumerate(results)]
-    if p.heatmap:
+    if p.heatmap and not first["abstained"]:
         heat = p.out["heatmap"][0]
         png = await asyncio.to_thread(overlay_png, p.decoded.frames[0], heat)
         body["heatmap"] = {"png_base64": base64.b64encode(png).decode(), "shape": list(heat.shape),
                            "kind": model.package.meta.heatmap, "frame": 0}
     for r in results:
-        st.count(model, r["class_name"])
+        st.tally(model, r)
     t0, t1, t2 = p.timing
     body["timing_ms"] = {"decode": 1000 * (t1 - t0), "inference": 1000 * (t2 - t1),
                          "total": 1000 * (time.perf_counter() - call.start)}
@@ -227,9 +237,12 @@ async def predict(request: Request, call: Call) -> Response:
 @endpoint("/heatmap")
 async def heatmap(request: Request, call: Call) -> Response:
     p = await predict_one(request, call)
+    first = p.results[0]
+    call.state.tally(p.model, first)
+    if first["abstained"]:
+        raise OutsideDomain(f"no heatmap: {first['reason']}; add abstain=false to see it anyway")
     png = await asyncio.to_thread(overlay_png, p.decoded.frames[0], p.out["heatmap"][0])
-    label, name = p.results[0]["label"], p.results[0]["class_name"]
-    call.state.count(p.model, name)
+    label, name = first["label"], first["class_name"]
     audit(**call.audit, status=200, label=label, class_name=name, timing_ms=call.ms())
     return Response(png, media_type="image/png",
                     headers={"X-Request-ID": call.rid, "X-Tafl-Label": str(label), "X-Tafl-Class": header_value(name),
@@ -303,6 +316,7 @@ async def predict_batch(request: Request, call: Call) -> Response:
         raise BadRequest("heatmaps are not returned in batches; call /predict or /heatmap per image")
     ratio, prior = prior_choice(model, options)
     prior["posteriors"] = flag(options.get("posteriors", "false"), "posteriors")
+    abstain = flag(options.get("abstain", "true"), "abstain")
     call.audit["prior"] = prior["used"]
     decoded = [_in_domain(st, model, d) for d in await decode_batch(st, files)]
     frames = [f for d in decoded if not isinstance(d, Exception) for f in d.frames]
@@ -312,14 +326,14 @@ async def predict_batch(request: Request, call: Call) -> Response:
         if isinstance(d, Exception):
             results.append({"index": i, "error": {"status": d.status, "code": type(d).__name__, "message": d.message}})
             continue
-        per = [frame_result(model.package, out, row + j, prior["posteriors"]) for j in range(len(d.frames))]
+        per = [frame_result(model.package, out, row + j, prior["posteriors"], abstain) for j in range(len(d.frames))]
         row += len(d.frames)
         item = {"index": i, **per[0], "input": {"kind": d.kind, "frames": len(d.frames)}}
         if len(per) > 1:
             item["frames"] = [{"frame": j, **r} for j, r in enumerate(per)]
         results.append(item)
         for r in per:
-            st.count(model, r["class_name"])
+            st.tally(model, r)
     timing = 1000 * (time.perf_counter() - call.start)
     audit(**call.audit, status=200, errors=sum("error" in r for r in results), timing_ms=round(timing, 2))
     return JSONResponse({"request_id": call.rid, "model": {"name": model.name, "version": model.package.version,

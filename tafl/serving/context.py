@@ -15,6 +15,7 @@ import numpy as np
 from starlette.requests import Request
 
 from tafl.errors import ServiceError, ServiceUnavailable
+from tafl.packaging.domain import in_domain_rows
 from tafl.serving.decoding import INLINE_BYTES, DecodePool
 from tafl.serving.http import audit_log
 from tafl.serving.runtime import LoadedModel, ModelRegistry
@@ -85,9 +86,24 @@ class ServingState:
             model.package.check_domain(decoded)
         except ServiceError:
             model.outside_domain += 1
-            if self.outside is not None:
-                self.outside.labels(model=model.name, version=model.package.version).inc()
+            self._outside(model, "header")
             raise
+
+    def abstained(self, model: LoadedModel) -> None:
+        """One more image the package's detector put outside its domain (no label), for /models and /metrics."""
+        model.abstained += 1
+        self._outside(model, "detector")
+
+    def tally(self, model: LoadedModel, result: dict[str, Any]) -> None:
+        """Count one frame's answer: its class, or an abstention (also when the label was returned on request)."""
+        if result.get("domain", {}).get("in_domain", True):
+            self.count(model, result["class_name"])
+        else:
+            self.abstained(model)
+
+    def _outside(self, model: LoadedModel, by: str) -> None:
+        if self.outside is not None:
+            self.outside.labels(model=model.name, version=model.package.version, by=by).inc()
 
     def observe(self, model: LoadedModel, out: dict[str, np.ndarray], ratio: np.ndarray | None) -> None:
         """Feed the served images' calibrated posteriors, under the source prior, to the model's case-mix window,
@@ -100,6 +116,11 @@ class ServingState:
             r = np.asarray(ratio, np.float64)
             p = p * np.exp(-(r if r.ndim == 1 else r[: len(p)]))
             p /= p.sum(1, keepdims=True)
+        keep = in_domain_rows(model.package.meta, out)
+        if keep is not None:  # images outside the model's domain say nothing about the case mix it is served
+            p = p[keep]
+            if not len(p):
+                return
         mon.add(p)
         key = (model.name, model.package.version)
         if mon.updated_at and self._published.get(key) != mon.updated_at and self.case_mix is not None:

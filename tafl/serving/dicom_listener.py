@@ -27,7 +27,9 @@ package's preprocessing, its ONNX graph, and the service's per-frame result (fra
 the JSON answer). An instance that the service would refuse (4xx) is moved to spool/failed/, and the
 service's reason (the 422 body's message) is logged and written beside it, as `failed/NAME.dcm.reason.json`:
 {"status": 422, "error": "UnprocessableImage", "reason": "the DICOM pixel data ... could not be decoded, ...",
-"instance": "<uid hash>", "time": "2025-01-31T12:00:00Z"} (UTC), one key a line.
+"instance": "<uid hash>", "time": "2025-01-31T12:00:00Z"} (UTC), one key a line. An image the package's in-domain
+detector puts outside the model's domain gets no finding: it goes to failed/ with the reason (status 422,
+OutsideDomain), or, with `not_assessed_sr`, an SR that says "Not assessed: outside the model's domain" is delivered.
 
 Spool: `incoming/` (a C-STORE being written), `queue/` (acknowledged, waiting), `outgoing/` (an SR or SC
 being sent: removed once the destination answered Success, or when its C-STORE gave up; the spool file it
@@ -62,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tafl.errors import ConfigError, TaflError
+from tafl.errors import ConfigError, OutsideDomain, TaflError
 from tafl.imaging import dicom_sr
 from tafl.serving.results import frame_result, overlay_frame
 
@@ -221,7 +223,8 @@ class Listener:
     def __init__(self, package: str | Path, destination: Destination, *, ae_title: str = "TAFL",
                  host: str = "127.0.0.1", port: int = 11112, spool: str | Path = "tafl-dicom-spool",
                  heatmap: bool = False, max_queue: int = 1000, workers: int = 2, threads: int | None = None,
-                 settings: Any = None, deliver_retries: int = 5, retry_pause: float = 5.0):
+                 settings: Any = None, deliver_retries: int = 5, retry_pause: float = 5.0,
+                 not_assessed_sr: bool = False):
         from tafl.packaging import load_package
         from tafl.serving.settings import Settings
         from tafl.serving.decoding import DecodePool
@@ -234,6 +237,7 @@ class Listener:
         self.algo = dicom_sr.Algorithm.from_metadata(self.pkg.meta, self.pkg.files.get("model.onnx", ""))
         self.destination, self.ae_title, self.host, self.port = destination, ae_title, host, port
         self.heatmap, self.max_queue, self.workers = heatmap, max(1, max_queue), max(1, workers)
+        self.not_assessed_sr = not_assessed_sr  # an image outside the model's domain: an SR saying "not assessed"
         self.spool = Path(spool)
         self.deliver_retries, self.retry_pause = deliver_retries, retry_pause
         self.incoming, self.queue_dir, self.failed, self.outgoing = (self.spool / n for n in
@@ -376,8 +380,10 @@ class Listener:
         try:
             out = self.pkg.run(self.session, self.pkg.preprocess(decoded.frames))
             result = frame_result(self.pkg, out, 0)
+            if result["abstained"] and not self.not_assessed_sr:  # no finding filed: failed/ with the reason
+                return self._fail(path, uid, OutsideDomain(result["reason"]))
             rgb = None
-            if self.heatmap:
+            if self.heatmap and not result["abstained"]:
                 from tafl.imaging.heatmap import overlay
 
                 rgb = overlay(overlay_frame(decoded.frames[0]), out["heatmap"][0])
@@ -406,8 +412,10 @@ class Listener:
                     return None
         path.unlink(missing_ok=True)
         self.stats["delivered"] += 1
-        log.info("instance %s: %s (p=%.3f), SR delivered; %.0f ms classify, %.0f ms deliver", uid,
-                 result["class_name"], result["probability"], 1000 * (t1 - t0), 1000 * (time.perf_counter() - t1))
+        what = ("not assessed (outside the model's domain)" if result["abstained"] else
+                f"{result['class_name']} (p={result['probability']:.3f})")
+        log.info("instance %s: %s, SR delivered; %.0f ms classify, %.0f ms deliver", uid, what, 1000 * (t1 - t0),
+                 1000 * (time.perf_counter() - t1))
 
     def _fail(self, path: Path, uid: str, exc: TaflError) -> None:
         """Keep a refused instance in spool/failed with the reason the service would have answered: the message

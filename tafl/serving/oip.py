@@ -10,8 +10,9 @@ service's own routes: any `tritonclient.http` or KServe v2 caller can use a tafl
 `infer` takes the package's preprocessed input tensor (FP32, NCHW at the package's image size: decode, channels,
 resize, scale and normalise as metadata.json's input.preprocess says) and the optional `log_prior_ratio` input
 (FP32, [C] or [N, C]: log q − log source prior, the explicit prior /predict's `prior=` sets), and returns the
-graph's named outputs: label, probs, expert_labels, expert_probs, votes, calibrated_probs, and heatmap only when
-`outputs` names it. Tensors travel as JSON `data` or with the binary-data extension (`binary_data_size`,
+graph's named outputs: label, probs, expert_labels, expert_probs, votes, calibrated_probs, domain_distance, and
+heatmap only when `outputs` names it; with a package's in-domain detector also `in_domain` (BOOL, the distance
+within the package's threshold: false means the label is no finding; the threshold is in the model's metadata). Tensors travel as JSON `data` or with the binary-data extension (`binary_data_size`,
 `binary_data`, `binary_data_output`, the Inference-Header-Content-Length header). The rows go through the same
 batcher, case-mix window and /metrics counter as /predict's images, under the same token and request limits.
 Errors answer {"error": "..."} with a 4xx, as the protocol says.
@@ -29,6 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from tafl.errors import BadRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from tafl.packaging.domain import in_domain_rows
 from tafl.serving.context import of
 from tafl.serving.http import JSONResponse, audit, error_status, read_body
 from tafl.serving.routing import Call, endpoint
@@ -37,7 +39,8 @@ from tafl.serving.runtime import LoadedModel
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ("binary_tensor_data",)
 PRIOR_INPUT = "log_prior_ratio"
-ON_REQUEST = ("heatmap",)  # outputs returned only when `outputs` names them
+ON_REQUEST = ("heatmap",)
+IN_DOMAIN = "in_domain"  # (N,) BOOL, the service's own output beside the graph's: domain_distance within threshold  # outputs returned only when `outputs` names them
 # the protocol's type names for numpy's
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64", np.dtype(np.int64): "INT64",
              np.dtype(np.int32): "INT32", np.dtype(np.bool_): "BOOL", np.dtype(np.uint8): "UINT8"}
@@ -88,10 +91,16 @@ def model_metadata(model: LoadedModel) -> dict[str, Any]:
                        "parameters": {"optional": True, "description": "log q - log source prior; [C] or [N, C]"}})
     outputs = [{"name": o.name, "datatype": META_TYPES.get(o.dtype, o.dtype.upper()),
                 "shape": [-1 if not isinstance(d, int) else d for d in o.shape]} for o in meta.outputs]
+    params: dict[str, Any] = {"class_names": model.package.class_names, "method": meta.method,
+                              "preprocess": spec.preprocess.to_json()}
+    threshold = meta.domain.detector.threshold
+    if threshold is not None:  # the service's verdict on the graph's domain_distance, as an output of its own
+        outputs.append({"name": IN_DOMAIN, "datatype": "BOOL", "shape": [-1],
+                        "parameters": {"description": f"domain_distance <= {threshold:.6g}: the image lies in the "
+                                                      "model's domain; false: treat the label as no finding"}})
+        params["domain_threshold"] = threshold
     return {"name": model.name, "versions": [model.package.version], "platform": "onnxruntime_onnx",
-            "inputs": inputs, "outputs": outputs,
-            "parameters": {"class_names": model.package.class_names, "method": meta.method,
-                           "preprocess": spec.preprocess.to_json()}}
+            "inputs": inputs, "outputs": outputs, "parameters": params}
 
 
 async def server(request: Request) -> Response:
@@ -274,12 +283,19 @@ async def infer(request: Request, call: Call) -> Response:
     call.audit["bytes"] = len(body)
     req, tensors = parse_request(body, request.headers.get(HEADER_LENGTH))
     x, ratio = check_inputs(model, tensors, st.settings.max_request_frames)  # /predict/batch's frame budget
-    available = [o.name for o in model.package.meta.outputs]
+    keep_known = model.package.meta.domain.detector.threshold is not None
+    available = [o.name for o in model.package.meta.outputs] + ([IN_DOMAIN] if keep_known else [])
     wanted = requested_outputs(req, available)
     out = await st.run(model, x, ratio)
+    keep = in_domain_rows(model.package.meta, out)
+    if keep is not None:
+        out = dict(out, **{IN_DOMAIN: keep})
     names = model.package.class_names
-    for label in out["label"]:
-        st.count(model, names[int(label)])
+    for i, label in enumerate(out["label"]):
+        if keep is None or keep[i]:
+            st.count(model, names[int(label)])
+        else:
+            st.abstained(model)
     audit(**call.audit, status=200, rows=len(x), prior="explicit" if ratio is not None else "train",
           timing_ms=call.ms())
     return render(model, req, out, wanted, call.rid)

@@ -29,11 +29,18 @@ DOMAIN = {"type": "object", "required": ["in_domain", "distance", "threshold", "
           "properties": {"in_domain": {"type": "boolean"}, "distance": {"type": "number"},
                          "threshold": {"type": "number"}, "reason": {"type": "string"}}}
 RESULT = {
-    "type": "object", "required": ["label", "class_name", "probability", "probabilities", "experts"],
-    "properties": {"label": {"type": "integer", "minimum": 0}, "class_name": {"type": "string"},
-                   "probability": {"type": "number", "minimum": 0, "maximum": 1},
-                   "probabilities": CLASS_MAP, "votes": CLASS_MAP, "experts": {"type": "array", "items": EXPERT},
-                   "calibrated_probabilities": CLASS_MAP, "domain": DOMAIN},
+    "type": "object", "required": ["abstained", "label", "class_name", "probability", "probabilities", "experts"],
+    "description": "abstained true: the image lies outside the model's domain (domain.in_domain false) and there is "
+                   "no finding: label, class_name, probability and probabilities are null and `reason` says why. "
+                   "With abstain=false such an image keeps its label, marked by outside_domain_note.",
+    "properties": {"abstained": {"type": "boolean"},
+                   "label": {"type": "integer", "minimum": 0, "nullable": True},
+                   "class_name": {"type": "string", "nullable": True},
+                   "probability": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
+                   "probabilities": {**CLASS_MAP, "nullable": True}, "votes": CLASS_MAP,
+                   "experts": {"type": "array", "items": EXPERT},
+                   "calibrated_probabilities": CLASS_MAP, "domain": DOMAIN, "reason": {"type": "string"},
+                   "outside_domain_note": {"type": "string"}},
 }
 MODEL_REF = {"type": "object", "required": ["name", "version", "method"],
              "properties": {"name": {"type": "string"}, "version": {"type": "string"}, "method": {"type": "string"}}}
@@ -67,11 +74,16 @@ OPTIONS = {
     "prior": {"type": "string", "description": "train (default); site (the service's --site-mix); adaptive; or "
                                                "one probability per class, comma-separated"},
     "posteriors": {"type": "string", "description": "true: add the calibrated probabilities under the prior"},
+    "abstain": {"type": "string", "description": "true (default): an image outside the model's domain gets no "
+                                                "label; false: its label anyway, marked (never for format=sr)"},
 }
 BINARY = {"type": "string", "format": "binary"}
 FORMAT = {"type": "string", "enum": ["json", "sr"],
           "description": "sr (or Accept: application/dicom): a DICOM Comprehensive SR instead of JSON, with "
-                         "heatmap=true also the overlay as a secondary capture (multipart/related); DICOM inputs only"}
+                         "heatmap=true also the overlay as a secondary capture (multipart/related); DICOM inputs only. "
+                         "An image outside the model's domain gets no SR (422) unless not_assessed=true"}
+NOT_ASSESSED = {"type": "string", "description": "with format=sr: true gives an image outside the model's domain an "
+                                                 "SR that says 'not assessed: outside the model's domain'"}
 
 
 def _errors(*codes: int) -> dict[str, Any]:
@@ -79,7 +91,9 @@ def _errors(*codes: int) -> dict[str, Any]:
            403: "reloading is not allowed", 404: "no such model",
            409: "a reload while the service runs several workers (TAFL_WORKERS): restart it instead",
            413: "the upload, image or request is too large",
-           415: "not a DICOM, PNG or JPEG", 422: "an image that cannot be decoded",
+           415: "not a DICOM, PNG or JPEG",
+           422: "an image that cannot be decoded, or outside the model's input domain (its DICOM header; /heatmap "
+                "and format=sr also for the learned in-domain score)",
            429: "too many requests in flight", 503: "the request took longer than its deadline"}
     return {str(c): {"description": why[c], "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
             for c in codes}
@@ -92,6 +106,7 @@ def _image_body(many: bool) -> dict[str, Any]:
                                                                   "properties": props}}}
     if not many:
         props["format"] = FORMAT
+        props["not_assessed"] = NOT_ASSESSED
     if not many:  # the raw image as the body, the options in the query
         for media in ("image/png", "image/jpeg", "application/dicom", "application/octet-stream"):
             content[media] = {"schema": BINARY}
@@ -117,7 +132,9 @@ def spec(version: str) -> dict[str, Any]:
         "paths": {
             "/predict": {"post": {
                 "summary": "classify one image: label, probabilities, each expert's vote, optionally the heatmap",
-                "parameters": QUERY + [{"name": "format", "in": "query", "required": False, "schema": FORMAT}],
+                "parameters": QUERY + [{"name": "format", "in": "query", "required": False, "schema": FORMAT},
+                                       {"name": "not_assessed", "in": "query", "required": False,
+                                        "schema": NOT_ASSESSED}],
                 "requestBody": _image_body(False),
                 "responses": {"200": {"description": "the prediction", "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/Prediction"}},

@@ -8,18 +8,32 @@ from typing import Any
 
 import numpy as np
 
+from tafl.packaging.domain import domain_verdict
 from tafl.packaging.package import ModelPackage
 
 OVERLAY_MAX_SIDE = 1024  # the longest side of the frame a heatmap overlay is drawn on (PNG and secondary capture)
 
 
-def frame_result(package: ModelPackage, out: dict[str, np.ndarray], i: int, posteriors: bool = False) -> dict[str, Any]:
+def frame_result(package: ModelPackage, out: dict[str, np.ndarray], i: int, posteriors: bool = False,
+                 abstain: bool = True) -> dict[str, Any]:
     """Row `i` of the graph's outputs `out`: label, class name, probability, every class's probability, each
-    expert's vote (ensembles) and, with `posteriors`, the calibrated probabilities under the request's prior."""
+    expert's vote (ensembles) and, with `posteriors`, the calibrated probabilities under the request's prior; the
+    in-domain verdict (`domain`) when the package has a detector, and `abstained`.
+
+    An image outside the model's domain gets no finding: with `abstain` (the default) the answer has no label,
+    class, probability or votes, only the verdict and its reason; without it (a request's `abstain=false`) the
+    label comes back marked by `outside_domain_note`, never to be filed as a finding."""
+    verdict = domain_verdict(package.meta, out, i)
+    outside = verdict is not None and not verdict["in_domain"]
+    if outside and abstain:
+        return {"abstained": True, "label": None, "class_name": None, "probability": None, "probabilities": None,
+                "experts": [], "domain": verdict,
+                "reason": f"the model abstained: the image lies outside its domain ({verdict['reason']})"}
     names = package.class_names
     label = int(out["label"][i])
     probs = out["probs"][i]
-    res: dict[str, Any] = {"label": label, "class_name": names[label], "probability": float(probs[label]),
+    res: dict[str, Any] = {"abstained": False, "label": label, "class_name": names[label],
+                           "probability": float(probs[label]),
                            "probabilities": {n: float(p) for n, p in zip(names, probs)}}
     experts = []
     if "expert_labels" in out:
@@ -31,25 +45,15 @@ def frame_result(package: ModelPackage, out: dict[str, np.ndarray], i: int, post
     res["experts"] = experts
     if posteriors and "calibrated_probs" in out:  # under the request's prior (prior=train: the source prior)
         res["calibrated_probabilities"] = {n: float(p) for n, p in zip(names, out["calibrated_probs"][i])}
-    verdict = domain_verdict(package, out, i)
     if verdict is not None:
         res["domain"] = verdict
+    if outside:
+        res["outside_domain_note"] = OUTSIDE_NOTE
     return res
 
 
-def domain_verdict(package: ModelPackage, out: dict[str, np.ndarray], i: int) -> dict[str, Any] | None:
-    """The learned in-domain detector's verdict on row `i` (docs/design.md, "The input domain"): its distance, the
-    package's threshold, in or out, and why; None for a package without a detector."""
-    det = package.meta.domain.detector
-    threshold = det.threshold
-    if threshold is None or "domain_distance" not in out:
-        return None
-    d = float(out["domain_distance"][i])
-    inside = d <= threshold
-    keep = det.keep
-    why = (f"its features lie {'within' if inside else 'beyond'} the distance that keeps {100 * keep:.0f}% of the "
-           f"model's validation images ({d:.1f} {'≤' if inside else '>'} {threshold:.1f})")
-    return {"in_domain": inside, "distance": d, "threshold": threshold, "reason": why}
+OUTSIDE_NOTE = ("returned because the request asked for it (abstain=false): the image lies outside the model's "
+                "domain, so this label is not a finding")
 
 
 def overlay_frame(frame: np.ndarray, max_side: int = OVERLAY_MAX_SIDE) -> np.ndarray:

@@ -408,10 +408,22 @@ class LoadedModel:
     site_prior: np.ndarray | None = None  # prior=site: this site's own mix (TAFL_SITE_MIX), for a prior-taking graph
     answered: int = 0  # images (frames) this worker answered with a label
     outside_domain: int = 0  # images this worker refused by the package's header rules (OutsideDomain)
+    abstained: int = 0  # images (frames) the package's in-domain detector put outside its domain
 
     @property
     def name(self) -> str:
         return self.package.name
+
+    def describe_domain(self) -> dict[str, Any]:
+        """The input domain's rule and this worker's counts since it loaded the package: answered (in domain),
+        refused by the header rules (422), abstained by the detector, and the share outside of all it was sent."""
+        outside = self.outside_domain + self.abstained
+        det = self.package.meta.domain.detector
+        return {"rule": describe(self.package.meta.domain), "answered": self.answered,
+                "refused": self.outside_domain, "abstained": self.abstained,
+                "refused_share": self.outside_domain / max(1, self.answered + outside),
+                "outside_share": outside / max(1, self.answered + outside),
+                "detector": None if det.threshold is None else {"threshold": det.threshold, "keep": det.keep}}
 
     def describe(self) -> dict[str, Any]:
         sizes = self.batcher.batch_sizes
@@ -424,9 +436,7 @@ class LoadedModel:
                 "lanes": self.batcher.lanes,  # model calls in flight at once (TAFL_MODEL_LANES, or chosen)
                 "lanes_from": self.lanes_from,
                 "case_mix": self.monitor.describe() if self.monitor else None,
-                "domain": {"rule": describe(self.package.meta.domain), "answered": self.answered,
-                           "refused": self.outside_domain,  # this worker's, since it loaded the package
-                           "refused_share": self.outside_domain / max(1, self.answered + self.outside_domain)},
+                "domain": self.describe_domain(),
                 "site_prior": None if self.site_prior is None else  # what prior=site decides for
                 dict(zip(self.package.class_names, map(float, self.site_prior)))}
 

@@ -52,8 +52,10 @@ CASE_MIX_SHIFT = bentoml.metrics.Gauge(
 )
 OUTSIDE_DOMAIN = bentoml.metrics.Counter(
     name="tafl_outside_domain",
-    documentation="Images refused because their DICOM header contradicts the model's input domain (422)",
-    labelnames=["model", "version"],
+    documentation="Images outside the model's input domain: by=header, refused (422) because their DICOM header "
+                  "contradicts it; by=detector, the model abstained because its in-domain score lies beyond the "
+                  "threshold",
+    labelnames=["model", "version", "by"],
 )
 
 

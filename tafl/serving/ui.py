@@ -39,6 +39,7 @@ from starlette.routing import Route
 from tafl.imaging.heatmap import jet, overlay
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, plain_summary, site_rows, training_shares
 from tafl.packaging.summary import finite as _num
+from tafl.packaging.card import _detector_line
 from tafl.errors import TaflError
 from tafl.privacy_text import privacy_summary
 from tafl.serving.context import STATIC_CACHE_MAX, ServingState, of
@@ -305,6 +306,7 @@ def _static_view(st: ServingState, model, index: int) -> dict[str, Any]:
         "training": (f"{_or(run.dataset)}, {_or(run.clients)} clients, {_or(run.rounds)} rounds, "
                      f"model from round {_or(meta.training.round)}") if run else None,
         "privacy": privacy_summary(meta.privacy.to_json()),
+        "domain_check": _detector_line(meta.domain.detector).replace("`", ""),
         "checksums": sorted(pkg.files.items()), "model_sha256": pkg.files.get("model.onnx", "?"),
         "signature": _signature(pkg), "heatmap": meta.heatmap,
         "experts": meta.expert_names,
@@ -361,7 +363,10 @@ def _live_view(st: ServingState, model, static: dict[str, Any]) -> dict[str, Any
     rows = [{**r, "served": pct(served[i]), "served_count": int(counts.get(r["name"], 0)),
              "estimate": pct(est_prior[i]), "train_pct": pct(r["train_share"]), "assumed_pct": pct(r["assumed"])}
             for i, r in enumerate(static["class_rows"])]
+    dom = model.describe_domain()
+    outside = dom["refused"] + dom["abstained"]
     return {"predicted_total": int(total), "rows": rows, "prior": prior,
+            "outside": {"images": outside, "share": pct(dom["outside_share"]), "sent": dom["answered"] + outside},
             "shift": pct(prior.get("shift")) if prior.get("shift") is not None else None,
             "mix_svg": mix_chart(names, series, f"{static['uid']}-mix", f"{pkg.name} {pkg.version}")}
 

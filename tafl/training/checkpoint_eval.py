@@ -77,7 +77,8 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
         report["validation"]["vote_rules"] = vote_rule_accuracies(val, names, state.meta, ds.val.labels, ranks,
                                                                   cfg.test_seed)
     prior_adaptation(report, method, state, cfg, out, val, ds, ranks)
-    detector = detector_report(method, state, ds, out["label"], cfg.eval_batch_size)
+    detector = detector_report(method, state, ds, out["label"], cfg.eval_batch_size, cfg.test_seed,
+                               cfg.ood_dicom_dir)
     if detector is not None:
         report["domain_detector"] = detector
     if ds.test.sites is not None and ds.site_names:

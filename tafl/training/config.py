@@ -116,6 +116,12 @@ class RunConfig:
     # folder with client_column: decode only this site's rows (what one Flower SuperNode holds); the class list and
     # the site names still come from the whole CSV, so the site's labels index the federation's classes
     site: str | None = None
+    # train without this class (its name): its test images become an unseen class the in-domain detector's report
+    # measures it on (how well images of a finding the model never learned are flagged); None: every class
+    open_set_class: str | None = None
+    # a folder of DICOM files added to the far-out-of-domain DICOM set the in-domain detector's report measures
+    # (pydicom's own test files are always in it)
+    ood_dicom_dir: str | None = None
     download: bool = False  # MedMNIST: download the npz when it is missing (needs a network)
     val_fraction: float = 0.15  # digits/folder: share of the data held out for validation
     test_fraction: float = 0.2  # digits/folder: share of the data held out for testing

@@ -62,6 +62,7 @@ class Dataset:
     preprocess: Preprocess
     provenance: dict[str, Any] = field(default_factory=dict)
     site_names: list[str] | None = None  # the real sites (hospitals), one federated client each (--client-column)
+    open_set: np.ndarray | None = None  # uint8 test images of the class left out (--open-set-class)
 
     @property
     def num_classes(self) -> int:
@@ -78,12 +79,18 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     else:
         raw = _load_medmnist(name, cfg)
     splits, class_names, native_channels, provenance = raw
+    open_set = None
+    if cfg.open_set_class is not None:
+        splits, class_names, open_set = _leave_out(splits, class_names, cfg.open_set_class)
+        provenance["open_set_class"] = {"name": cfg.open_set_class, "test_images": int(len(open_set))}
     provenance["colour"] = colour_counts(splits["train"].images)  # the input domain's colour (tafl export)
     size = cfg.img_size or splits["train"].images.shape[1]
     channels = cfg.channels or native_channels
     fit = Preprocess(size=size, channels=channels, mean=(0.0,) * channels, std=(1.0,) * channels)
     for key, split in splits.items():
         split.images = _fit_images(split.images, fit)
+    if open_set is not None:
+        open_set = _fit_images(open_set, fit)
     # one site's rows (a Flower SuperNode's, `site`) need training rows only: a site may lack a class or a test fold
     checked = {"train": splits["train"]} if cfg.site else splits
     for key, split in checked.items():
@@ -101,7 +108,26 @@ def load_dataset(cfg: RunConfig) -> Dataset:
     std = tuple(max(float(v), 1e-3) for v in x.std(axis=(0, 1, 2)))
     pre = Preprocess(size=size, channels=channels, mean=mean, std=std)
     return Dataset(cfg.dataset, class_names, splits["train"], splits["val"], splits["test"], pre, provenance,
-                   site_names=provenance.get("site_names"))
+                   site_names=provenance.get("site_names"), open_set=open_set)
+
+
+def _leave_out(splits: dict[str, Split], class_names: list[str], name: str):
+    """(splits without class `name`, labels renumbered; the other class names; the left-out class's test images)."""
+    if name not in class_names:
+        raise DataError(f"--open-set-class {name!r} is not a class of this dataset; its classes are "
+                        f"{', '.join(class_names)}")
+    if len(class_names) < 3:
+        raise DataError(f"--open-set-class {name!r}: leaving a class out of {len(class_names)} leaves fewer than two "
+                        "to train on")
+    c = class_names.index(name)
+    held = splits["test"].images[splits["test"].labels == c]
+    out = {}
+    for key, split in splits.items():
+        keep = np.flatnonzero(split.labels != c)
+        sub = split.subset(keep)
+        sub.labels = np.where(sub.labels > c, sub.labels - 1, sub.labels)
+        out[key] = sub
+    return out, [n for n in class_names if n != name], held
 
 
 COLOUR_SPREAD = 4.0  # mean spread between an image's channels (0-255) above which it is a colour image

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -112,10 +113,13 @@ def fit_detector(method: Method, state: GlobalState, transport: Transport, cfg: 
     return GlobalState(state.weights, extras, dict(state.meta, domain_detector=rec))
 
 
-def detector_report(method: Method, state: GlobalState, ds: Any, test_labels_pred: np.ndarray,
-                    batch_size: int) -> dict[str, Any] | None:
-    """The report's `domain_detector`: the fit's record and, on the test split, the share of in-domain images it
-    refuses (overall and per class) and the balanced accuracy on the images it accepts beside that on all."""
+def detector_report(method: Method, state: GlobalState, ds: Any, test_labels_pred: np.ndarray, batch_size: int,
+                    seed: int = 0, dicom_dir: str | None = None) -> dict[str, Any] | None:
+    """The report's `domain_detector`: the fit's record; on the test split, the share of in-domain images it refuses
+    (overall and per class) and the balanced accuracy on the images it accepts beside that on all; and its detection
+    of the far-out-of-domain sets (tafl.training.ood) and, with --open-set-class, of the class left out: AUROC, FPR
+    at 95 % TPR and the share the threshold accepts, for the Mahalanobis distance and, beside it, the energy score
+    of the model's own logits (Liu et al. 2020)."""
     from tafl.training.evaluate import balanced_accuracy
     from tafl.training.models import build_model
 
@@ -124,15 +128,33 @@ def detector_report(method: Method, state: GlobalState, ds: Any, test_labels_pre
         return dict(rec) if rec else None
     model = build_model(method.model_cfg).to(method.device)
     model.load_state_dict(state.weights)
-    feats = extract_features(model, torch.from_numpy(ds.test.images), method.normalize, batch_size)
     means, precision = (state.extras[k].double().numpy() for k in ("domain.means", "domain.precision"))
-    refused = distances(feats, means, precision) > rec["threshold"]
+
+    def scores(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        feats = extract_features(model, torch.from_numpy(images), method.normalize, batch_size)
+        with torch.no_grad():
+            logits = model.head(torch.from_numpy(feats).to(next(model.head.parameters())))
+        return distances(feats, means, precision), -torch.logsumexp(logits.double(), 1).cpu().numpy()
+
+    dist, energy = scores(ds.test.images)
+    refused = dist > rec["threshold"]
     labels, C = ds.test.labels, len(ds.class_names)
     keep = ~refused
     per_class = {ds.class_names[c]: float(refused[labels == c].mean()) if (labels == c).any() else None
                  for c in range(C)}
+    from tafl.training.ood import detection, far_sets
+
+    _, size, _, channels = ds.test.images.shape
+    sets = far_sets(ds.name, size, channels, seed, [Path(dicom_dir).expanduser()] if dicom_dir else [])
+    if getattr(ds, "open_set", None) is not None and len(ds.open_set):
+        sets["unseen_class"] = ds.open_set
+    measured = {}
+    for name, images in sets.items():
+        d_out, e_out = scores(images)
+        measured[name] = {"mahalanobis": detection(dist, d_out, rec["threshold"]), "energy": detection(energy, e_out)}
     return {**rec, "test": {"images": int(len(labels)), "refused": float(refused.mean()),
                             "refused_per_class": per_class,
                             "balanced_accuracy_all": balanced_accuracy(test_labels_pred, labels, C),
                             "balanced_accuracy_accepted": balanced_accuracy(test_labels_pred[keep], labels[keep], C)
-                            if keep.any() else None}}
+                            if keep.any() else None},
+            "detection": measured}

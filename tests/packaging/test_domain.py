@@ -50,6 +50,19 @@ def dicom(modality: str | None, photometric: str = "MONOCHROME2", sop=pydicom.ui
     return buf.getvalue()
 
 
+def digit_dicom(modality: str | None, index: int = 0) -> bytes:
+    """A colour DICOM whose pixels are one of scikit-learn's digits (grey in three channels): in a digits model's
+    learned domain, where `dicom`'s random pixels are not."""
+    from sklearn.datasets import load_digits
+
+    ds = pydicom.dcmread(io.BytesIO(dicom(modality, "RGB")))
+    g = np.uint8(load_digits().images[index] * 15).repeat(4, 0).repeat(4, 1)
+    ds.PixelData = np.stack([g, g, g], axis=-1).tobytes()
+    buf = io.BytesIO()
+    pydicom.dcmwrite(buf, ds, enforce_file_format=True)
+    return buf.getvalue()
+
+
 # ---------------------------------------------------------------- the rule
 def test_a_header_that_contradicts_the_domain_is_named_and_absent_tags_decide_nothing():
     why = contradiction(XC, {"modality": "CT", "photometric": "MONOCHROME2"})
@@ -203,7 +216,7 @@ def test_the_service_refuses_a_ct_slice_before_the_model_and_answers_the_rest(sk
     assert g.status_code == 422 and "a greyscale image (MONOCHROME2)" in g.json()["error"]["message"]
     ok = httpx.post(f"{skin_server.url}/predict", files={"file": ("c.dcm", dicom("XC", "RGB"), "application/dicom")},
                     timeout=60)
-    assert ok.status_code == 200 and "label" in ok.json()
+    assert ok.status_code == 200 and "label" in ok.json() and "abstained" in ok.json()
     unsaid = httpx.post(f"{skin_server.url}/predict",  # no Modality: the colour alone cannot refuse it
                         files={"file": ("u.dcm", dicom(None, "RGB"), "application/dicom")}, timeout=60)
     assert unsaid.status_code == 200
@@ -216,14 +229,17 @@ def test_the_service_refuses_a_ct_slice_before_the_model_and_answers_the_rest(sk
     assert res[1]["error"]["status"] == 422 and res[1]["error"]["code"] == "OutsideDomain"
     models = httpx.get(f"{skin_server.url}/models", timeout=30).json()["models"][0]
     assert models["metadata"]["domain"]["modalities"] == ["XC", "DMS"]
-    # monitoring: four refusals (CT, CT as format=sr, the greyscale XC, the batch's CT) beside four answers, and
-    # none of the refused entered the case-mix window
+    # monitoring: four refusals (CT, CT as format=sr, the greyscale XC, the batch's CT) beside four images the model
+    # saw (the digit is in its domain; the synthetic colour frames, to a digits model, may be abstained on by its
+    # learned detector): neither the refused nor the abstained entered the case-mix window
     dom = models["domain"]
-    assert (dom["refused"], dom["answered"], dom["refused_share"]) == (4, 4, 0.5), dom
+    assert dom["refused"] == 4 and dom["answered"] + dom["abstained"] == 4 and dom["refused_share"] == 0.5, dom
+    assert dom["outside_share"] == (4 + dom["abstained"]) / 8 and dom["answered"] >= 1, dom
     assert dom["rule"].startswith("colour images (declared at export); Modality XC or DMS (declared at export)")
-    assert models["case_mix"]["images_in_window"] == 4, models["case_mix"]
+    assert models["case_mix"]["images_in_window"] == dom["answered"], models["case_mix"]
     metrics = httpx.get(f"{skin_server.url}/metrics", timeout=30).text
-    assert 'tafl_outside_domain_total{model="skin-like",version="1.0.0"} 4.0' in metrics
+    assert 'tafl_outside_domain_total{by="header",model="skin-like",version="1.0.0"} 4.0' in metrics or \
+        'tafl_outside_domain_total{model="skin-like",version="1.0.0",by="header"} 4.0' in metrics, metrics
     assert "Traceback" not in skin_server.log.read_text()
 
 
@@ -235,10 +251,16 @@ def test_in_process_scoring_gives_a_refused_image_a_row_with_the_reason(skin_lik
     (folder / "ct.dcm").write_bytes(open(get_testdata_file("CT_small.dcm"), "rb").read())
     (folder / "ok.dcm").write_bytes(dicom("XC", "RGB"))
     (folder / "d.png").write_bytes(digit_png(2))
+    (folder / "digit.dcm").write_bytes(digit_dicom("XC", 3))
     score_folder(folder, tmp_path / "out.csv", package=str(skin_like), progress=False)
     rows = {r["path"]: r for r in csv.DictReader(open(tmp_path / "out.csv"))}
     assert rows["ct.dcm"]["error"].startswith("422 OutsideDomain: outside the model's domain: its Modality is CT")
-    assert not rows["ct.dcm"]["label"] and rows["ok.dcm"]["label"] and rows["d.png"]["label"]
+    assert not rows["ct.dcm"]["label"] and rows["d.png"]["label"] and rows["d.png"]["in_domain"] == "True"
+    assert rows["digit.dcm"]["label"] and rows["digit.dcm"]["in_domain"] == "True"
+    # the synthetic colour frame passes the header rules; to a digits model's detector it is far from every class,
+    # so it gets the row of an abstention: no label, in_domain false, its distance
+    ok = rows["ok.dcm"]
+    assert not ok["error"] and ok["in_domain"] == "False" and not ok["label"] and float(ok["domain_distance"]) > 0
 
 
 def test_the_listener_files_no_finding_for_a_refused_instance(skin_like, tmp_path):
@@ -250,7 +272,7 @@ def test_the_listener_files_no_finding_for_a_refused_instance(skin_like, tmp_pat
     lst.start()
     try:
         ct = pydicom.dcmread(get_testdata_file("CT_small.dcm"))
-        ok = pydicom.dcmread(io.BytesIO(dicom("XC", "RGB")))
+        ok = pydicom.dcmread(io.BytesIO(digit_dicom("XC")))
         stats = send(port, [ct, ok], deadline=60)
         lst.stop(drain=True)
     finally:
@@ -261,3 +283,41 @@ def test_the_listener_files_no_finding_for_a_refused_instance(skin_like, tmp_pat
     assert reason["error"] == "OutsideDomain" and "its Modality is CT" in reason["reason"]
     srs = [pydicom.dcmread(p) for p in out.rglob("*.dcm")]
     assert len(srs) == 1 and all(s.StudyInstanceUID != ct.StudyInstanceUID for s in srs)  # nothing filed for the CT
+
+
+@pytest.mark.parametrize("not_assessed", [False, True])
+def test_the_listener_files_no_finding_for_an_image_the_model_abstains_on(skin_like, tmp_path, not_assessed):
+    """A frame that passes the header rules but lies outside the learned domain: by default failed/ with the
+    detector's reason and no SR; with not_assessed_sr an SR whose only evaluation says "not assessed"."""
+    from tafl.imaging.dicom_sr import NOT_ASSESSED
+    from tafl.serving.dicom_listener import Destination, Listener
+    from tests.dicom_net import free_port, send
+
+    port, spool, out = free_port(), tmp_path / "spool", tmp_path / "srs"
+    lst = Listener(skin_like, Destination(folder=out), port=port, spool=spool, workers=1,
+                   not_assessed_sr=not_assessed)
+    lst.start()
+    try:
+        noise = pydicom.dcmread(io.BytesIO(dicom("XC", "RGB", seed=5)))
+        stats = send(port, [noise], deadline=60)
+        lst.stop(drain=True)
+    finally:
+        lst.stop()
+    assert stats["acked"] == 1
+    srs = [pydicom.dcmread(p) for p in out.rglob("*.dcm")]
+    if not not_assessed:
+        assert lst.stats["failed"] == 1 and not srs, lst.stats
+        [note] = (spool / "failed").glob("*.reason.json")
+        reason = json.loads(note.read_text())
+        assert reason["error"] == "OutsideDomain" and reason["status"] == 422
+        assert "the model abstained" in reason["reason"] and "validation images" in reason["reason"]
+        return
+    assert lst.stats["delivered"] == 1 and len(srs) == 1, lst.stats
+    sr = srs[0]
+    assert sr.StudyInstanceUID == noise.StudyInstanceUID and "not assessed" in sr.SeriesDescription
+    group = sr.ContentSequence[-1].ContentSequence[0].ContentSequence
+    codes = [(i.ConceptNameCodeSequence[0].CodeMeaning, i.ConceptCodeSequence[0].CodeMeaning)
+             for i in group if i.ValueType == "CODE"]
+    assert codes == [("Assessment", NOT_ASSESSED)]  # no finding type, no probability, no vote
+    assert not any(i.ValueType == "NUM" for i in group)
+

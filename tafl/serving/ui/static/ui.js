@@ -119,14 +119,34 @@
   }
 
   function showResult(b) {
-    $("res-label").textContent = b.class_name + " (class " + b.label + ")";
-    $("res-prob").textContent = pct(b.probability);
+    var dom = $("res-domain");
+    if (b.abstained) {  // outside the model's domain: no finding, and why
+      $("res-answer").textContent = "No finding: the model abstained.";
+      dom.textContent = "Outside the model's domain: " + b.domain.reason + ".";
+      dom.className = "domain outside";
+      dom.hidden = false;
+    } else {
+      $("res-answer").textContent = "Label: ";
+      var strong = document.createElement("strong");
+      strong.id = "res-label";
+      strong.textContent = b.class_name + " (class " + b.label + ")";
+      $("res-answer").appendChild(strong);
+      $("res-answer").appendChild(document.createTextNode(" with probability " + pct(b.probability)));
+      if (b.domain) {
+        dom.textContent = "Within the model's domain: " + b.domain.reason + ".";
+        dom.className = "domain";
+        dom.hidden = false;
+      } else {
+        dom.hidden = true;
+      }
+    }
     $("res-model").textContent = b.model.name + " " + b.model.version;
     $("res-prior").textContent = b.prior.used + (b.prior.fallback ? " (" + b.prior.fallback + ")" : "");
     // technical facts only; the API puts no patient data in its answer, and none is rendered here
     $("res-input").textContent = b.input.kind + ", " + b.input.size[1] + "\u00d7" + b.input.size[0] + " px" +
       (b.input.frames > 1 ? ", " + b.input.frames + " frames (frame 0 shown)" : "");
-    var probs = Object.keys(b.probabilities).map(function (k) { return [k, b.probabilities[k]]; });
+    var probs = Object.keys(b.probabilities || {}).map(function (k) { return [k, b.probabilities[k]]; });
+    $("res-probs").hidden = !probs.length;
     probs.sort(function (x, y) { return y[1] - x[1]; });
     fillTable("res-probs", probs.map(function (p) { return [p[0], meter(p[1])]; }));
     fillTable("res-experts", (b.experts || []).map(function (e) {
