@@ -75,10 +75,12 @@ def dafl_run(tmp_path_factory) -> Path:
 
 
 PACKAGES = {"gtafl": ("derm-gtafl", SMOKE_GTAFL), "dafl": ("derm-dafl", SMOKE_DAFL)}
-# The shared packages are the decoder's and the service's test subjects: every DICOM the tests send them, colour or
-# greyscale, must reach the model, so their input domain decides nothing (the digits data would make them
-# greyscale-only). tests/packaging/test_domain.py exports packages whose domain refuses.
-ANY_DOMAIN = ("colour=any",)
+# The shared packages are the decoder's and the service's test subjects: every DICOM the tests send them (CT and MR
+# slices to a digits model), colour or greyscale, must reach the model and get a label, so their input domain decides
+# nothing (the digits data would make them greyscale-only) and they carry no learned in-domain detector (it would
+# rightly abstain on a CT slice). tests/packaging/test_domain.py and tests/training/test_detector.py export packages
+# whose header rules refuse and whose detector abstains.
+ANY_DOMAIN = ("colour=any", "detector=off")
 
 
 def _package(tmp_path_factory, request, kind: str) -> Path:

@@ -58,7 +58,7 @@ def test_the_readme_speaks_to_users_and_its_links_resolve():
     for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
         if not link.startswith("http"):
             assert (REPO / link).exists(), link
-    assert "tafl demo" in text and '.[train,dev,federated,ray]' in text
+    assert "tafl demo" in text and '.[train,dev,reference,federated,ray]' in text
     assert len(blocks()) >= 7 and [k for k, _, _ in blocks()].count("serve") == 1
     assert {lang for _, lang, _ in blocks()} == {"bash", "python"}
 

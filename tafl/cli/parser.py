@@ -84,9 +84,10 @@ def _package_verbs(sub) -> None:
                                                          "for DICOM SRs; other classes use the local scheme 99TAFL")
     xp.add_argument("--domain", metavar="KEY=VALUE", action="append", default=[],
                     help="the input domain beside what the training data say, repeatable: modality=XC,DMS | "
-                         "sop-class=NAME_OR_UID,... | colour=colour|greyscale (KEY=any: decides nothing). A DICOM "
-                         "whose header contradicts it is refused before the model runs (default: none, only what the "
-                         "training data say)")
+                         "sop-class=NAME_OR_UID,... | colour=colour|greyscale (KEY=any: decides nothing) | "
+                         "detector=off (no learned in-domain score: every image gets a label). A DICOM whose header "
+                         "contradicts it is refused before the model runs (default: none, only what the training data "
+                         "say, and the detector training fitted)")
     xp.add_argument("--sign-key", metavar="KEY", help="Ed25519 private key (`tafl keys new`) that signs the package's "
                                                       "SHA256SUMS (default $TAFL_SIGNING_KEY; unset: unsigned)")
     xp.set_defaults(func=cmd_export)

@@ -80,6 +80,24 @@ def from_training(provenance: Mapping[str, Any]) -> InputDomain:
     return InputDomain(mods, sops, colour, source)
 
 
+def split_detector(items: Iterable[str]) -> tuple[bool, list[str]]:
+    """(whether the package keeps its learned in-domain detector, the other declarations): `detector=off` exports
+    the package without it (every image gets a label, as from a package made before it; the header rules still
+    apply), `detector=on` (the default) keeps the one training fitted."""
+    keep, rest = True, []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if key.strip().lower() != "detector":
+            rest.append(item)
+            continue
+        v = value.strip().lower()
+        if v not in ("on", "off"):
+            raise ConfigError(f"--domain {item!r}: detector=on (the default: keep the learned in-domain detector) or "
+                              "detector=off (export without it)")
+        keep = v == "on"
+    return keep, rest
+
+
 def parse_declarations(items: Iterable[str]) -> dict[str, Any]:
     """`--domain KEY=VALUE[,VALUE]` items as {field: value}: a tuple of codes or names, a colour, or None (any)."""
     out: dict[str, Any] = {}

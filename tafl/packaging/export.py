@@ -33,6 +33,7 @@ import tafl
 from tafl.errors import ConfigError, PackageError
 from tafl.packaging.card import render_card
 from tafl.packaging.domain import resolve as resolve_domain
+from tafl.packaging.domain import split_detector
 from tafl.packaging.metadata import (SCHEMA, AdaptiveCheck, Decision, Detector, Estimator, Expert, InputSpec,
                                      Metrics, OutputSpec, PackageMetadata, Parent, PreprocessSpec, PriorSpec, Privacy,
                                      Provenance, Training, Verification, Vote)
@@ -413,6 +414,16 @@ def _detector_spec(ck: dict[str, Any], ck_path: Path) -> dict[str, Any] | None:
     return out
 
 
+def _without_detector(ck: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint as export sees it with `--domain detector=off`: no detector in the graph, the metadata says
+    why (the checkpoint on disk keeps its own)."""
+    state = dict(ck["state"])
+    state["extras"] = {k: v for k, v in (state.get("extras") or {}).items() if not k.startswith("domain.")}
+    state["meta"] = dict(state.get("meta") or {}, domain_detector={
+        "fitted": False, "why": "turned off at export (--domain detector=off)"})
+    return dict(ck, state=state)
+
+
 def _estimator_spec(ck: dict[str, Any]) -> dict[str, Any]:
     """How `prior=adaptive` estimates the case mix (tafl.prior.PriorEstimator): the run's choice, or, for a
     checkpoint from before it was recorded, the maximum-likelihood EM those runs were evaluated with."""
@@ -509,6 +520,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
     ck = load_checkpoint(ck_path)
     out = Path(out)
     _check_out(out, force)
+    keep_detector, domain = split_detector(domain)
+    if not keep_detector:
+        ck = _without_detector(ck)
     graph, experts, vote = build_graph(ck)
     names = graph.outputs
     mcfg = ModelConfig.from_dict(ck["model_config"])

@@ -4,6 +4,7 @@ validation split alone, carried into the package's graph as `domain_distance` an
 
 from __future__ import annotations
 
+import csv
 import json
 
 import httpx
@@ -116,18 +117,128 @@ def test_under_dp_no_detector_is_fitted_and_the_package_says_why(tmp_path):
     assert json.loads((tmp_path / "pkg" / "metadata.json").read_text())["domain"]["detector"]["fitted"] is False
 
 
+@pytest.fixture(scope="module")
+def detector_server(fedavg_run, tmp_path_factory):
+    """The FedAvg smoke model with its detector, served (the shared test packages are exported without one)."""
+    from tafl.packaging.export import export_checkpoint
+    from tafl.serving.launch import ServerProcess
+
+    run, _ = fedavg_run
+    base = tmp_path_factory.mktemp("svc_det")
+    pkg = export_checkpoint(run / "final.pt", base / "pkg", name="digits-det", domain=["colour=any"])
+    env = {"BENTOML_HOME": str(base / "home"), "TAFL_AUDIT_LOG": str(base / "audit.jsonl"), "TAFL_WORKERS": "1"}
+    with ServerProcess([str(base / "pkg")], env=env, log_path=base / "service.log") as srv:
+        srv.log, srv.pkg = base / "service.log", pkg
+        yield srv
+
+
 @pytest.mark.slow
-def test_every_answer_carries_the_verdict(server):
-    """/predict and /predict/batch give each image the distance, the threshold and the verdict with its reason."""
+def test_out_of_domain_means_no_finding_in_every_answer(detector_server):
+    """A CT slice to a digits model: /predict abstains (no label, the reason), gives the label only when asked and
+    marks it, files no SR unless a "not assessed" one is asked for, draws no heatmap; the digits get labels and
+    in-domain verdicts; /models, /metrics and the Open Inference Protocol count and say the same; the case-mix
+    window holds only the in-domain images."""
+    import io
+
+    import pydicom
+    from tritonclient.http import InferenceServerClient, InferInput
+
+    from tafl.imaging.dicom_sr import NOT_ASSESSED
+
+    url = detector_server.url
     ct = open(get_testdata_file("CT_small.dcm"), "rb").read()
-    r = httpx.post(f"{server.url}/predict", files={"file": ("ct.dcm", ct, "application/dicom")}, timeout=60)
+    r = httpx.post(f"{url}/predict", files={"file": ("ct.dcm", ct, "application/dicom")}, timeout=60)
     assert r.status_code == 200, r.text
-    dom = r.json()["domain"]
+    body = r.json()
+    assert body["abstained"] is True and body["label"] is None and body["class_name"] is None, body
+    assert body["probability"] is None and body["probabilities"] is None and body["experts"] == []
+    dom = body["domain"]
     assert dom["in_domain"] is False and dom["distance"] > dom["threshold"] and "beyond" in dom["reason"]
-    b = httpx.post(f"{server.url}/predict/batch", files=[("file", (f"{i}.png", digit_png(i), "image/png"))
-                                                         for i in range(8)], timeout=60)
-    verdicts = [res["domain"]["in_domain"] for res in b.json()["results"]]
-    assert len(verdicts) == 8 and sum(verdicts) >= 6, verdicts  # the digits it was trained on: mostly in
+    assert body["reason"].startswith("the model abstained: the image lies outside its domain")
+    marked = httpx.post(f"{url}/predict", data={"abstain": "false"},
+                        files={"file": ("ct.dcm", ct, "application/dicom")}, timeout=60).json()
+    assert marked["abstained"] is False and isinstance(marked["label"], int) and marked["domain"]["in_domain"] is False
+    assert "not a finding" in marked["outside_domain_note"]
+    bad = httpx.post(f"{url}/predict", data={"abstain": "maybe"}, files={"file": ("ct.dcm", ct)}, timeout=60)
+    assert bad.status_code == 400
+    sr = httpx.post(f"{url}/predict", data={"format": "sr", "abstain": "false"},
+                    files={"file": ("ct.dcm", ct, "application/dicom")}, timeout=60)
+    assert sr.status_code == 422 and sr.json()["error"]["code"] == "OutsideDomain", sr.text  # abstain=false: JSON only
+    assert "not_assessed=true" in sr.json()["error"]["message"]
+    na = httpx.post(f"{url}/predict", data={"format": "sr", "not_assessed": "true", "heatmap": "true"},
+                    files={"file": ("ct.dcm", ct, "application/dicom")}, timeout=60)
+    assert na.status_code == 200 and na.headers["content-type"] == "application/dicom", na.text  # no heatmap SC
+    ds = pydicom.dcmread(io.BytesIO(na.content))
+    assert ds.Modality == "SR" and "not assessed" in ds.SeriesDescription
+    assert NOT_ASSESSED in str(ds.ContentSequence)
+    hm = httpx.post(f"{url}/heatmap", files={"file": ("ct.dcm", ct, "application/dicom")}, timeout=60)
+    assert hm.status_code == 422 and hm.json()["error"]["code"] == "OutsideDomain"
+    b = httpx.post(f"{url}/predict/batch", files=[("file", (f"{i}.png", digit_png(i), "image/png"))
+                                                  for i in range(8)] + [("file", ("ct.dcm", ct))], timeout=60)
+    res = b.json()["results"]
+    verdicts = [x["domain"]["in_domain"] for x in res[:8]]
+    assert sum(verdicts) >= 6, verdicts  # the digits it was trained on: mostly in
+    assert all(x["abstained"] == (not x["domain"]["in_domain"]) for x in res)
+    assert all(isinstance(x["label"], int) for x in res[:8] if x["domain"]["in_domain"])
+    assert res[8]["abstained"] and res[8]["label"] is None
+    # the Open Inference Protocol: the graph's domain_distance and the service's in_domain beside the label
+    client = InferenceServerClient(url.split("://", 1)[1])
+    meta = client.get_model_metadata("digits-det")
+    assert "in_domain" in [o["name"] for o in meta["outputs"]] and meta["parameters"]["domain_threshold"] > 0
+    pre = detector_server.pkg.preprocess
+    from tafl.imaging import decode_image
+
+    x = pre([decode_image(ct).frames[0], decode_image(digit_png(3)).frames[0]]).astype(np.float32)
+    inp = InferInput(detector_server.pkg.meta.input.name, list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    out = client.infer("digits-det", [inp])
+    in_dom, dist = out.as_numpy("in_domain"), out.as_numpy("domain_distance")
+    assert in_dom.dtype == bool and not in_dom[0] and dist[0] > meta["parameters"]["domain_threshold"]
+    # counted: the CT answers (/predict ×2, format=sr ×2, /heatmap, the batch's, OIP's) and the digits' outliers
+    m = httpx.get(f"{url}/models", timeout=30).json()["models"][0]
+    d = m["domain"]
+    outside = 7 + (8 - sum(verdicts)) + int(not in_dom[1])
+    assert d["abstained"] == outside and d["refused"] == 0, d
+    assert d["answered"] == sum(verdicts) + int(in_dom[1]) and d["detector"]["threshold"] > 0
+    assert abs(d["outside_share"] - outside / (outside + d["answered"])) < 1e-9
+    assert m["case_mix"]["images_in_window"] == d["answered"], m["case_mix"]
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert f'by="detector"' in metrics and "tafl_outside_domain_total" in metrics
+    assert "Traceback" not in detector_server.log.read_text()
+
+
+@pytest.mark.slow
+def test_the_client_the_cli_and_scoring_say_when_the_model_abstained(detector_server, tmp_path, capsys):
+    from tafl.cli import main
+    from tafl.clients.client import Client
+    from tafl.clients.score import score_folder
+
+    ct = get_testdata_file("CT_small.dcm")
+    with Client(detector_server.url) as c:
+        p = c.predict(ct)
+        assert p.abstained and p.label is None and not p.in_domain and "abstained" in p.reason
+        q = c.predict(ct, abstain=False)
+        assert not q.abstained and q.label is not None and q.domain and not q.domain.in_domain
+        d = c.predict(digit_png(0))
+        assert d.in_domain and d.domain.distance <= d.domain.threshold
+    assert main(["predict", ct, "--url", detector_server.url]) == 0
+    out = capsys.readouterr().out
+    assert "no finding: the model abstained" in out
+    assert main(["predict", ct, "--url", detector_server.url, "--label-outside-domain"]) == 0
+    assert "OUTSIDE THE MODEL'S DOMAIN: not a finding" in capsys.readouterr().out
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "ct.dcm").write_bytes(open(ct, "rb").read())
+    for i in range(3):
+        (folder / f"d{i}.png").write_bytes(digit_png(i))
+    for how in ({"url": detector_server.url}, {"package": str(detector_server.pkg.path)}):
+        out_csv = tmp_path / f"{'url' if 'url' in how else 'pkg'}.csv"
+        summary = score_folder(folder, out_csv, progress=False, **how)
+        rows = {r["path"]: r for r in csv.DictReader(open(out_csv))}
+        assert rows["ct.dcm"]["in_domain"] == "False" and not rows["ct.dcm"]["label"] and not rows["ct.dcm"]["error"]
+        assert float(rows["ct.dcm"]["domain_distance"]) > 0
+        assert summary["abstained"] >= 1 and summary["predicted"] == 4 - summary["abstained"]
+        assert sum(m["predicted"] for m in summary["class_mix"]) == summary["predicted"]
 
 
 def test_a_retrain_fits_its_own_detector_and_never_keeps_the_parents(fedavg_run, tmp_path):
