@@ -191,6 +191,9 @@ class RunConfig:
     dp_stats_ratio: float = 3.0
     # Flower engine: every quantity the server only needs summed travels through Flower's SecAgg+ (docs/flower.md)
     secure_aggregation: bool = False
+    # fit the in-domain detector after training (tafl.training.detector): one more round of per-class feature sums
+    # and second moments; with dp_epsilon one more Gaussian release, which the accountant counts from the start
+    domain_detector: bool = True
     # what the sites train: all (the whole network) | head (the classifier head only, on the fixed extractor's
     # features of their images as they are, in a whitened basis of head_basis_dim directions the server computes from
     # its unlabeled pool; the extractor stays as the server made it: its seeded initialisation, --pretrain-steps,

@@ -5,8 +5,10 @@ squared Mahalanobis distance to the nearest class mean. The clients send feature
 on its validation split alone: the distance that keeps KEEP of the in-domain validation images. No test image and
 no out-of-domain image chooses anything.
 
-Not yet under privacy: with DP (`--dp-epsilon`) or secure aggregation the sums would need the accountant's noise or
-SecAgg+'s bounded encoding, which this round does not have, so such a run fits no detector and says so.
+Under record-level DP (`--dp-epsilon`) the sums are one Gaussian release of clipped features that the accountant
+counts (tafl.training.methods.detector), and the server floors the noisy covariance's eigenvalues so its inverse
+stays a precision. Not yet with secure aggregation: the sums would need SecAgg+'s bounded layout, which this round
+does not have, so such a run fits no detector and says so. `--no-domain-detector` fits none.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from tafl.training.config import RunConfig
 from tafl.training.contract import GlobalState, Method
 from tafl.training.methods.detector import DOMAIN_KEYS, extract_features
-from tafl.training.rounds import charge
+from tafl.training.rounds import charge, privacy_ledger
 from tafl.training.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -35,15 +37,18 @@ def fit_gaussian(sums: np.ndarray, outer: np.ndarray, counts: np.ndarray,
                  shrinkage: float = SHRINKAGE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """From pooled sums: the means (K, D) of the K classes with images, their class indices (K,), and the precision
     (D, D) of the shared within-class covariance, shrunk toward its mean variance."""
-    present = np.flatnonzero(counts > 0)
-    n = float(counts.sum())
+    present = np.flatnonzero(counts >= 1)  # a DP census's noise can leave a class a fraction of an image
+    n = float(counts[present].sum())
     means = sums[present] / counts[present, None]
     between = (means * counts[present, None]).T @ means  # Σ_c n_c μ_c μ_cᵀ
     cov = (outer - between) / max(n - len(present), 1.0)
     cov = (cov + cov.T) / 2
-    dim = cov.shape[0]
-    cov = cov + shrinkage * max(float(np.trace(cov)) / dim, 1e-12) * np.eye(dim)
-    return means, present, np.linalg.inv(cov)
+    vals, vecs = np.linalg.eigh(cov)
+    mean_var = max(float(np.clip(vals, 0, None).mean()), 1e-12)
+    floor = max(shrinkage, 1e-12) * mean_var
+    # + shrinkage · mean variance, and no eigenvalue below that (a noisy DP release can make the sum indefinite)
+    vals = np.maximum(vals + floor, floor)
+    return means, present, (vecs / vals) @ vecs.T
 
 
 def distances(feats: np.ndarray, means: np.ndarray, precision: np.ndarray) -> np.ndarray:
@@ -72,16 +77,18 @@ def fit_detector(method: Method, state: GlobalState, transport: Transport, cfg: 
                  book: dict[str, Any]) -> GlobalState:
     """One statistics round over every client, the Gaussian, and the threshold on the validation split; recorded in
     the state (extras domain.means, domain.classes, domain.precision; meta domain_detector)."""
-    if cfg.dp_epsilon is not None or cfg.secure_aggregation:
-        why = ("differential privacy" if cfg.dp_epsilon is not None else "secure aggregation")
-        log.info("in-domain detector: not fitted under %s (its statistics round has no private form yet)", why)
-        return GlobalState(state.weights, state.extras, dict(state.meta, domain_detector={
-            "fitted": False, "why": f"not fitted under {why}: the statistics round has no private form yet"}))
+    if not cfg.domain_detector or cfg.secure_aggregation:
+        why = ("turned off (--no-domain-detector)" if not cfg.domain_detector else
+               "not fitted under secure aggregation: the statistics round has no SecAgg+ layout yet")
+        log.info("in-domain detector: %s", why)
+        return GlobalState(state.weights, state.extras, dict(state.meta, domain_detector={"fitted": False,
+                                                                                         "why": why}))
     t0 = time.perf_counter()
     C, dim = int(method.model_cfg.num_classes), int(method.model.feature_dim)
     round_cfg = {"round": cfg.rounds + 3, "seed": cfg.seed, "domain_stats": True}
     results, cost = transport.train(list(range(transport.num_clients)), method.broadcast(state), round_cfg)
     charge(book, cost)
+    privacy_ledger(method, book, results, cost)  # under DP: the release each site made, for the accountant
     good = []
     for r in results:
         why = problem(r, C, dim)
@@ -103,6 +110,7 @@ def fit_detector(method: Method, state: GlobalState, transport: Transport, cfg: 
                     means.astype(np.float64), precision.astype(np.float64))
     threshold = float(np.quantile(val, KEEP))
     rec = {"fitted": True, "kind": "mahalanobis", "threshold": threshold, "keep": KEEP, "shrinkage": SHRINKAGE,
+           "private": "differential privacy" if cfg.dp_epsilon is not None else None,
            "features": dim, "classes": [int(c) for c in classes], "train_images": int(counts.sum()),
            "clients": sorted(int(r.client_id) for r in good), "val_images": int(len(val)),
            "val_refused": float((val > threshold).mean()), "seconds": round(time.perf_counter() - t0, 2)}

@@ -115,7 +115,7 @@ def test_a_model_whose_validation_says_adaptation_hurts_is_not_adapted(gtafl_run
     rep["prior_adaptation"]["validation"]["average"].update(calibrated=0.40, plain=0.48, adaptive_100=0.25,
                                                             adaptive_500=0.26)
     (run / "report.json").write_text(json.dumps(rep))
-    pkg = export_checkpoint(run / "final.pt", tmp_path / "pkg", name="derm-uncal")
+    pkg = export_checkpoint(run / "final.pt", tmp_path / "pkg", name="derm-uncal", domain=["detector=off"])
     check = pkg.metadata["prior"]["adaptive_check"]
     assert check["recommended"] is False and "26.0 % against 48.0 %" in check["why"]
     assert any("prior=adaptive is off" in line for line in pkg.metadata["limitations"])
@@ -157,7 +157,7 @@ def test_a_package_with_an_operating_point_decides_there_and_says_so(dafl_run, t
     ck["state"]["meta"]["decision"] = {"kind": "logit_adjustment", "tau": 0.5, "offset": offset.tolist(),
                                        "criterion": "the macro F1 under a uniform class prior", "scores": {}}
     path = save_checkpoint({k: v for k, v in ck.items() if k not in ("format", "version")}, tmp_path / "op.pt")
-    pkg = export_checkpoint(path, tmp_path / "pkg", name="derm-op")
+    pkg = export_checkpoint(path, tmp_path / "pkg", name="derm-op", domain=["detector=off"])
     assert pkg.metadata["decision"]["tau"] == 0.5
     sess = pkg.session(providers=["CPUExecutionProvider"])
     with ServerProcess([str(tmp_path / "pkg")], env={"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_WORKERS": "1"},

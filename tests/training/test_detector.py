@@ -102,17 +102,32 @@ def test_the_package_scores_as_training_did_and_flags_what_it_never_saw(fedavg_r
     assert (d > t).all(), (d, t)
 
 
-def test_under_dp_no_detector_is_fitted_and_the_package_says_why(tmp_path):
+def test_under_dp_the_detector_is_one_counted_release_and_still_flags_far_images(tmp_path):
+    """With --dp-epsilon the sites' sums are one Gaussian release of clipped features: the plan counted it from the
+    start (one more release for every site in the ledger, ε within the target), the noisy covariance is still a
+    precision, and the threshold still refuses far images; --no-domain-detector fits none and the package says so."""
     from tafl.packaging.export import export_checkpoint
     from tafl.training.config import load_config
     from tafl.training.simulator import train
     from tests.conftest import CONFIGS
 
-    report = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1, "dp_epsilon": 8.0, "dp_delta": 1e-3}),
-                   tmp_path / "run", progress=False)
-    assert report["domain_detector"] == {"fitted": False, "why": "not fitted under differential privacy: the "
-                                         "statistics round has no private form yet"}
-    pkg = export_checkpoint(tmp_path / "run" / "final.pt", tmp_path / "pkg")
+    over = {"rounds": 1, "dp_epsilon": 8.0, "dp_delta": 1e-3}
+    report = train(load_config(CONFIGS / "smoke.yaml", over), tmp_path / "run", progress=False)
+    det = report["domain_detector"]
+    assert det["fitted"] and det["private"] == "differential privacy", det
+    priv = report["privacy"]
+    assert priv["epsilon"] <= priv["epsilon_target"] + 1e-6
+    assert all(c["releases"] >= 1 for c in priv["clients"].values()), priv["clients"]  # the detector's release
+    far = det["detection"]
+    assert far["noise"]["mahalanobis"]["auroc"] > 0.9 and far["dicom"]["mahalanobis"]["auroc"] > 0.9, far
+    off = train(load_config(CONFIGS / "smoke.yaml", {**over, "domain_detector": False}), tmp_path / "off",
+                progress=False)
+    assert off["domain_detector"] == {"fitted": False, "why": "turned off (--no-domain-detector)"}
+    # one release fewer: the same ε target buys less noise on everything else
+    z_on = min(c["stats_noise_multiplier"] for c in priv["clients"].values())
+    z_off = min(c["stats_noise_multiplier"] for c in off["privacy"]["clients"].values())
+    assert z_off < z_on
+    pkg = export_checkpoint(tmp_path / "off" / "final.pt", tmp_path / "pkg")
     assert pkg.meta.domain.detector.threshold is None and "domain_distance" not in [o.name for o in pkg.meta.outputs]
     assert json.loads((tmp_path / "pkg" / "metadata.json").read_text())["domain"]["detector"]["fitted"] is False
 
@@ -242,8 +257,8 @@ def test_the_client_the_cli_and_scoring_say_when_the_model_abstained(detector_se
 
 
 def test_a_retrain_fits_its_own_detector_and_never_keeps_the_parents(fedavg_run, tmp_path):
-    """The parent's detector describes the parent's features: a retrain refits it, and a private retrain, which
-    cannot fit one, exports no stale one."""
+    """The parent's detector describes the parent's features: a retrain refits it (also a private one), and a
+    retrain that fits none exports no stale one."""
     from tafl.packaging.export import export_checkpoint
     from tafl.training.checkpoint import load_checkpoint
     from tafl.training.config import load_config
@@ -260,6 +275,10 @@ def test_a_retrain_fits_its_own_detector_and_never_keeps_the_parents(fedavg_run,
                  progress=False)  # DP's GroupNorm model, trained without DP: it has a detector
     assert head["domain_detector"]["fitted"]
     private = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1, "dp_epsilon": 8.0, "dp_delta": 1e-3}),
+                    tmp_path / "dp", progress=False, init_from=load_checkpoint(tmp_path / "h" / "final.pt"))
+    assert private["domain_detector"]["fitted"] and private["domain_detector"]["threshold"] != \
+        head["domain_detector"]["threshold"]
+    private = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1, "train_scope": "head", "domain_detector": False}),
                     tmp_path / "p", progress=False, init_from=load_checkpoint(tmp_path / "h" / "final.pt"))
     assert private["domain_detector"]["fitted"] is False
     pkg = export_checkpoint(tmp_path / "p" / "final.pt", tmp_path / "pkg")

@@ -24,16 +24,35 @@ class DomainStatsClient:
         self.method = method
 
     def update(self, payload: Tensors, data: ClientData, round_cfg: RoundConfig) -> ClientResult:
-        """Extras dom_sum (C, D), dom_outer (D, D), dom_counts (C,), float64, over the client's training rows."""
-        C = int(self.method.model_cfg.num_classes)
+        """Extras dom_sum (C, D), dom_outer (D, D), dom_counts (C,), float64, over the client's training rows.
+
+        Under record-level DP every feature vector is clipped to norm F = dp_feature_clip·√D, the sums (sensitivity
+        F) and the outer products' sum (sensitivity F²) are one Gaussian release at the plan's statistics noise
+        multiplier, and the counts are the site's census (already released): one release, which the plan counted
+        from the start (tafl.training.methods.dp.detector_releases)."""
+        m = self.method
+        C = int(m.model_cfg.num_classes)
         feats = self.features(payload, data.images[data.indices])
         labels = data.local_labels.numpy()
+        metrics = {"domain_stats": 1.0}
+        if m.dp:
+            from tafl.training.privacy import clip_rows
+
+            plan = m.privacy.plan(len(data))
+            F = plan.feature_clip * feats.shape[1] ** 0.5
+            feats = clip_rows(torch.from_numpy(feats), F).numpy()
         sums = np.zeros((C, feats.shape[1]), np.float64)
         np.add.at(sums, labels, feats)
-        extras = {"dom_sum": sums, "dom_outer": feats.T @ feats,
-                  "dom_counts": np.bincount(labels, minlength=C).astype(np.float64)}
-        return ClientResult(data.client_id, len(data), {}, {k: torch.from_numpy(v) for k, v in extras.items()},
-                            {"domain_stats": 1.0})
+        extras = {"dom_sum": torch.from_numpy(sums), "dom_outer": torch.from_numpy(feats.T @ feats),
+                  "dom_counts": torch.from_numpy(np.bincount(labels, minlength=C).astype(np.float64))}
+        if m.dp:
+            from tafl.training.privacy import gaussian_release
+
+            noisy = gaussian_release({"dom_sum": (extras["dom_sum"], F), "dom_outer": (extras["dom_outer"], F * F)},
+                                     plan.stats_noise_multiplier, m.privacy.noise)
+            extras.update(noisy, dom_counts=m.privacy.census(data).double())
+            metrics["dp_releases"] = 1.0
+        return ClientResult(data.client_id, len(data), {}, extras, metrics)
 
     def features(self, payload: Tensors, images_u8: torch.Tensor) -> np.ndarray:
         """(N, D) float64: the payload model's features (`Classifier.features`, what the package's graph scores)."""

@@ -29,7 +29,10 @@ class ClientPrivacy:
         """The plan (tafl.training.privacy.ClientPlan) of a client with n training records."""
         from tafl.training.privacy import plan_client
 
-        return plan_client(self.cfg, n, *self.releases, dp_sgd=self.dp_sgd)
+        per_round, finishing = self.releases
+        # the in-domain detector's statistics (tafl.training.detector): one release after training
+        finishing += detector_releases(self.cfg)
+        return plan_client(self.cfg, n, per_round, finishing, dp_sgd=self.dp_sgd)
 
     @property
     def noise(self) -> torch.Generator:
@@ -56,3 +59,9 @@ class ClientPrivacy:
             noisy = gaussian_release({"c": (data.class_counts().to(torch.float64), 1.0)}, z, self.noise)["c"]
             self._census[k] = noisy.clamp_min(0).to(torch.float32)
         return self._census[k].clone()
+
+
+def detector_releases(cfg: RunConfig) -> int:
+    """The Gaussian releases the in-domain detector's statistics round costs a site: one, where it is fitted under DP
+    (tafl.training.detector.fit_detector: not with secure aggregation yet)."""
+    return int(bool(cfg.domain_detector) and cfg.dp_epsilon is not None and not cfg.secure_aggregation)
