@@ -7,8 +7,9 @@ no out-of-domain image chooses anything.
 
 Under record-level DP (`--dp-epsilon`) the sums are one Gaussian release of clipped features that the accountant
 counts (tafl.training.methods.detector), and the server floors the noisy covariance's eigenvalues so its inverse
-stays a precision. Not yet with secure aggregation: the sums would need SecAgg+'s bounded layout, which this round
-does not have, so such a run fits no detector and says so. `--no-domain-detector` fits none.
+stays a precision. With secure aggregation the three sums are one SecAgg+ sum over every site
+(tafl.training.secagg.domain_layout), the features clipped to a public bound (DP's clip, or CLIP_HEADROOM times the
+largest feature norm of the server's validation images). `--no-domain-detector` fits none.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tafl.training.transport import Transport
 log = logging.getLogger(__name__)
 
 KEEP = 0.95  # the share of in-domain validation images the threshold keeps
+CLIP_HEADROOM = 4.0  # secure aggregation alone: features are clipped at this times the largest validation norm
 SHRINKAGE = 0.01  # covariance + SHRINKAGE · (trace / D) · I: the precision stays finite where D nears the images
 
 
@@ -77,15 +79,23 @@ def fit_detector(method: Method, state: GlobalState, transport: Transport, cfg: 
                  book: dict[str, Any]) -> GlobalState:
     """One statistics round over every client, the Gaussian, and the threshold on the validation split; recorded in
     the state (extras domain.means, domain.classes, domain.precision; meta domain_detector)."""
-    if not cfg.domain_detector or cfg.secure_aggregation:
-        why = ("turned off (--no-domain-detector)" if not cfg.domain_detector else
-               "not fitted under secure aggregation: the statistics round has no SecAgg+ layout yet")
+    if not cfg.domain_detector:
+        why = "turned off (--no-domain-detector)"
         log.info("in-domain detector: %s", why)
         return GlobalState(state.weights, state.extras, dict(state.meta, domain_detector={"fitted": False,
                                                                                          "why": why}))
     t0 = time.perf_counter()
     C, dim = int(method.model_cfg.num_classes), int(method.model.feature_dim)
+    from tafl.training.models import build_model
+
+    model = build_model(method.model_cfg).to(method.device)
+    model.load_state_dict(state.weights)
+    val_feats = extract_features(model, torch.from_numpy(val_images), method.normalize, cfg.eval_batch_size)
     round_cfg = {"round": cfg.rounds + 3, "seed": cfg.seed, "domain_stats": True}
+    if cfg.dp_epsilon is not None:  # the DP release's clip, which SecAgg+'s layout also needs
+        round_cfg["domain_clip"] = float(cfg.dp_feature_clip) * dim ** 0.5
+    elif cfg.secure_aggregation:  # a public bound from the server's own images, with room to spare
+        round_cfg["domain_clip"] = CLIP_HEADROOM * max(float(np.linalg.norm(val_feats, axis=1).max()), 1e-6)
     results, cost = transport.train(list(range(transport.num_clients)), method.broadcast(state), round_cfg)
     charge(book, cost)
     privacy_ledger(method, book, results, cost)  # under DP: the release each site made, for the accountant
@@ -102,17 +112,16 @@ def fit_detector(method: Method, state: GlobalState, transport: Transport, cfg: 
     sums, outer, counts = (sum(r.extras[k].double().numpy() for r in good) for k in DOMAIN_KEYS)
     means, classes, precision = fit_gaussian(sums, outer, counts)
     means, precision = means.astype(np.float32), precision.astype(np.float32)  # as the package's graph holds them
-    from tafl.training.models import build_model
-
-    model = build_model(method.model_cfg).to(method.device)
-    model.load_state_dict(state.weights)
-    val = distances(extract_features(model, torch.from_numpy(val_images), method.normalize, cfg.eval_batch_size),
-                    means.astype(np.float64), precision.astype(np.float64))
+    val = distances(val_feats, means.astype(np.float64), precision.astype(np.float64))
     threshold = float(np.quantile(val, KEEP))
     rec = {"fitted": True, "kind": "mahalanobis", "threshold": threshold, "keep": KEEP, "shrinkage": SHRINKAGE,
-           "private": "differential privacy" if cfg.dp_epsilon is not None else None,
-           "features": dim, "classes": [int(c) for c in classes], "train_images": int(counts.sum()),
-           "clients": sorted(int(r.client_id) for r in good), "val_images": int(len(val)),
+           "private": ", ".join(p for p, on in (("differential privacy", cfg.dp_epsilon is not None),
+                                                ("secure aggregation", cfg.secure_aggregation)) if on) or None,
+           "clip": round_cfg.get("domain_clip"),
+           "features": dim, "classes": [int(c) for c in classes], "train_images": int(round(float(counts.sum()))),
+           # a secure sum is one combined result: the transport lists the clients in it
+           "clients": sorted(int(c) for c in (cost.get("answered") or [r.client_id for r in good])),
+           "val_images": int(len(val)),
            "val_refused": float((val > threshold).mean()), "seconds": round(time.perf_counter() - t0, 2)}
     log.info("in-domain detector: Mahalanobis on %d features from %d training images of %d clients; threshold "
              "%.1f keeps %.0f%% of %d validation images", dim, rec["train_images"], len(good), threshold,

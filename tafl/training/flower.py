@@ -36,7 +36,7 @@ from tafl.training.config import RunConfig
 from tafl.training.longtail import holdout_split
 from tafl.training.contract import ClientData, ClientResult, Tensors, tensor_bytes
 from tafl.training.secagg import (LAYOUT_RECORD, SUM_ID, SecAggParams, SecureBounds, SecureSumError,
-                                  calibration_layout, census_layout,
+                                  calibration_layout, census_layout, domain_layout,
                                   client_arrays, combine, is_secure, layout_from_json, round_layout, route_secagg,
                                   secure_reply, secure_sum)
 from tafl.training.transport import Transport
@@ -195,6 +195,10 @@ def _secure_train(msg, method, data):
 
         C = int(method.model_cfg.num_classes)
         why = calibration_problem(res, C, n_params(str(round_cfg["calibrate"]), C))
+    elif round_cfg.get("domain_stats"):
+        from tafl.training.detector import problem
+
+        why = problem(res, int(method.model_cfg.num_classes), int(method.model.feature_dim))
     else:
         why = _update_problem(method, payload, res)
     if why is not None:
@@ -462,6 +466,14 @@ class FlowerTransport(Transport):
         if round_cfg.get("calibrate"):  # a calibration round: the held-out rows' NLL sums
             return calibration_layout(str(round_cfg["calibrate"]), self.num_classes, max(self.n_of[k] for k in ids),
                                       self.bounds, round_cfg.get("scale", 1.0), round_cfg.get("bias"))
+        if round_cfg.get("domain_stats"):  # the in-domain detector's sums, features clipped to a public norm
+            n_max = max(self.n_of[k] for k in ids)
+            noise = count_slack = 0.0
+            if method.dp:
+                z = method.privacy.plan(n_max).stats_noise_multiplier
+                noise, count_slack = z * 2 ** 0.5, 10.0 * z
+            return domain_layout(self.num_classes, method.model.feature_dim, n_max, float(round_cfg["domain_clip"]),
+                                 noise, count_slack)
         if not method.trains:  # lda: one release of class sums, no weights
             return method.secure_layout(payload, max(self.n_of[k] for k in ids))
         buffers = dict(method.model.named_buffers())

@@ -171,15 +171,17 @@ def clip_rows(x: torch.Tensor, max_norm: float) -> torch.Tensor:
     return x * (max_norm / norms).clamp(max=1.0)
 
 
-def share_epsilon(z_stats: float, divisor: float, delta: float) -> float:
+def share_epsilon(z_stats: float, divisor: float, delta: float, full_releases: int = 0) -> float:
     """Method lda under secure aggregation: the ε of one site's own share (its census at z_s, its class sums at
-    z_s/divisor), which is what that site's numbers alone would reveal were SecAgg+ broken."""
+    z_s/divisor, and `full_releases` more at z_s: the in-domain detector's), which is what that site's numbers alone
+    would reveal were SecAgg+ broken."""
     import dp_accounting as dpa
     from dp_accounting.rdp import RdpAccountant
 
     _quiet_absl()
     acc = RdpAccountant()
-    acc.compose(dpa.ComposedDpEvent([dpa.GaussianDpEvent(z_stats), dpa.GaussianDpEvent(z_stats / divisor)]))
+    acc.compose(dpa.ComposedDpEvent([dpa.GaussianDpEvent(z_stats), dpa.GaussianDpEvent(z_stats / divisor)]
+                                    + [dpa.GaussianDpEvent(z_stats)] * int(full_releases)))
     return float(acc.get_epsilon(delta))
 
 
@@ -224,7 +226,9 @@ def _distributed(cfg, clients: dict[str, Any], secure_aggregation: bool) -> dict
 
     m_t = min_in_sum(cfg.clients, SecAggParams())
     z_s = min(c["stats_noise_multiplier"] for c in clients.values())
-    share = share_epsilon(z_s, math.sqrt(m_t), float(cfg.dp_delta))
+    from tafl.training.methods.dp import detector_releases
+
+    share = share_epsilon(z_s, math.sqrt(m_t), float(cfg.dp_delta), detector_releases(cfg))
     return {"noise": "distributed", "sites_in_a_sum_at_least": m_t, "share_epsilon": round(share, 4),
             "trust": f"the class sums' noise is split over the sites of each SecAgg+ sum, each adding 1/√{m_t} of it: "
                      f"the ε above holds against a coordinator that sees only the secure sums; one site's own share, "

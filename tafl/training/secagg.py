@@ -389,6 +389,7 @@ def round_layout(weights: Mapping[str, tuple[Sequence[int], bool]], n_max: int, 
 
 
 CALIB_KEYS = ("calib_nll", "calib_grad", "calib_hess", "calib_counts", "calib_n")
+DOMAIN_KEYS = ("dom_sum", "dom_outer", "dom_counts")  # the in-domain detector's round (tafl.training.detector)
 
 
 def calibration_layout(kind: str, num_classes: int, n_max: int, bounds: SecureBounds, scale: Any = 1.0,
@@ -419,6 +420,18 @@ def lda_layout(num_classes: int, k: int, n_max: int, entry: float, count_slack: 
     n_max = max(1, int(n_max))
     return {"num_samples": ((1,), float(n_max)), "lda_sum": ((int(num_classes), int(k)), n_max * float(entry)),
             "lda_count": ((int(num_classes),), n_max + float(count_slack))}
+
+
+def domain_layout(num_classes: int, dim: int, n_max: int, clip: float, noise: float = 0.0,
+                  count_slack: float = 0.0) -> dict[str, tuple[tuple[int, ...], float]]:
+    """The in-domain detector's round: per class the sum of a site's features, each clipped to norm `clip` (an
+    entry ≤ n_max·clip), their outer products' sum (an entry ≤ n_max·clip²) and the class counts (≤ n_max). `noise`:
+    a DP release's noise multiplier times √2 (its two parts), room left for 10 of its standard deviations;
+    `count_slack` the same for a DP census."""
+    n_max, c = max(1, int(n_max)), float(clip)
+    return {"num_samples": ((1,), float(n_max)), "dom_sum": ((int(num_classes), int(dim)), n_max * c + 10 * noise * c),
+            "dom_outer": ((int(dim), int(dim)), n_max * c * c + 10 * noise * c * c),
+            "dom_counts": ((int(num_classes),), n_max + float(count_slack))}
 
 
 def min_in_sum(num_clients: int, params: SecAggParams) -> int:
@@ -458,6 +471,11 @@ def client_arrays(res, payload: Mapping[str, Any], layout: Layout) -> tuple[dict
     def np64(t) -> np.ndarray:
         return np.asarray(t.detach().cpu().double().numpy() if hasattr(t, "detach") else t, dtype=np.float64)
 
+    if "dom_outer" in layout:  # the in-domain detector's round: its three sums, no weights
+        if set(res.extras) != set(DOMAIN_KEYS) or res.weights:
+            raise ValueError("the in-domain detector's round must hold exactly its feature sums and counts")
+        plain = {m: float(v) for m, v in res.metrics.items() if m in PLAINTEXT_METRICS and np.isfinite(v)}
+        return {"num_samples": np.array([n]), **{k: np64(res.extras[k]) for k in DOMAIN_KEYS}}, plain
     if "lda_sum" in layout:  # method lda: the class sums and counts, no weights
         if set(res.extras) != set(LDA_KEYS) or res.weights:
             raise ValueError("an lda round's result must hold exactly its class sums and counts")
@@ -541,6 +559,12 @@ def combine(sums: Mapping[str, np.ndarray], layout: Layout, payload: Mapping[str
     n_tot = int(np.rint(float(sums["num_samples"][0])))
     if n_tot <= 0:
         raise SecureSumError(f"the secure sum reports {n_tot} samples")
+    if "dom_outer" in layout:  # the detector's round: the federation's sums, as one site's
+        outer = sums["dom_outer"]
+        return ClientResult(int(client_id), n_tot, {}, {
+            "dom_sum": torch.from_numpy(np.asarray(sums["dom_sum"], np.float64)),
+            "dom_outer": torch.from_numpy(np.asarray((outer + outer.T) / 2.0, np.float64)),
+            "dom_counts": torch.from_numpy(np.asarray(sums["dom_counts"], np.float64))}, {"domain_stats": 1.0})
     if "lda_sum" in layout:  # method lda: the federation's class sums, as one site's
         return ClientResult(int(client_id), n_tot, {}, {k: torch.from_numpy(np.asarray(sums[k], np.float64)).float()
                                                          for k in LDA_KEYS}, {})

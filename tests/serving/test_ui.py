@@ -581,3 +581,54 @@ def test_browser_hostile_package_runs_no_script(page, hostile_server):
     _wait(page, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-panel") == "loaded")
     assert HOSTILE_CLASS in page.find_element(By.TAG_NAME, "body").text  # shown as text
     assert page.execute_script("return window.__pwned === undefined")
+
+
+@pytest.fixture(scope="module")
+def detector_ui_server(gtafl_run, tmp_path_factory):
+    """The smoke GTAFL model exported with its learned in-domain detector (the shared packages have none), served."""
+    pytest.importorskip("torch", reason="export needs the train extra")
+    from tafl.packaging.export import export_checkpoint
+    from tafl.serving.launch import ServerProcess
+
+    base = tmp_path_factory.mktemp("svc_ui_det")
+    export_checkpoint(gtafl_run / "final.pt", base / "pkg", name="derm-det", domain=["colour=any"])
+    env = {"BENTOML_HOME": str(base / "home"), "TAFL_WORKERS": "1"}
+    with ServerProcess([str(base / "pkg")], env=env, log_path=base / "service.log") as srv:
+        yield srv
+
+
+def test_browser_an_image_outside_the_domain_shows_no_finding_and_why(page, detector_ui_server, tmp_path):
+    """A CT slice to a digits model: the page says the model abstained and why, shows no label, probabilities or
+    heatmap; a digit shows its label with the in-domain verdict; the model's details state the check."""
+    from pydicom.data import get_testdata_file
+    from selenium.webdriver.common.by import By
+
+    srv = detector_ui_server
+    ct = tmp_path / "ct.dcm"
+    ct.write_bytes(Path(get_testdata_file("CT_small.dcm")).read_bytes())
+    assert predict(srv, ct.read_bytes(), "application/dicom").json()["abstained"] is True
+    page.get(f"{srv.url}/")
+    _wait(page, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-panel") == "loaded")
+    details = page.find_element(By.CSS_SELECTOR, "dd[data-domain]").text
+    assert details.startswith("In-domain score: domain_distance") and "validation images" in details
+    _upload(page, ct)
+    _snap(page, "outside_domain")
+    answer = page.find_element(By.ID, "res-answer").text
+    dom = page.find_element(By.ID, "res-domain")
+    assert answer == "No finding: the model abstained." and dom.is_displayed()
+    assert dom.text.startswith("Outside the model's domain: its features lie beyond") and "outside" in \
+        dom.get_attribute("class")
+    assert not page.find_element(By.ID, "res-probs").is_displayed()
+    assert not page.find_element(By.ID, "res-figure").is_displayed()
+    png = tmp_path / "digit.png"
+    png.write_bytes(digit_png(3))
+    want = predict(srv, png.read_bytes()).json()
+    _upload(page, png)
+    got = _rendered(page)
+    if want["abstained"]:  # the smoke model may abstain on a digit too: then the page says so, as above
+        assert page.find_element(By.ID, "res-answer").text == "No finding: the model abstained."
+        return
+    _check_result(got, want)
+    assert page.find_element(By.ID, "res-domain").text.startswith("Within the model's domain: its features lie within")
+    live = page.find_element(By.CSS_SELECTOR, "span[data-outside]").text
+    assert "lay outside its input domain" in live

@@ -193,7 +193,12 @@ def test_secure_aggregation_gtafl_runs_on_sums_only_and_matches_the_plaintext_ru
     log = (tmp_path / "secure" / "train.log").read_text()
     sums = re.findall(r"(census|round \d): secure sum over clients \[0, 1, 2, 3\] \(\d+ entries each\), "
                       r"(\d+) entries clipped", log)
-    assert sums == [("census", "0"), ("round 1", "0"), ("round 2", "0"), ("round 3", "0")], log[-3000:]
+    # the census, two rounds, the finishing round and the in-domain detector's sums (round rounds + 3)
+    assert sums == [("census", "0"), ("round 1", "0"), ("round 2", "0"), ("round 3", "0"), ("round 5", "0")], \
+        log[-3000:]
+    det, ref = secure["domain_detector"], plain["domain_detector"]
+    assert det["fitted"] and det["private"] == "secure aggregation" and det["train_images"] == ref["train_images"]
+    assert det["clients"] == [0, 1, 2, 3] and det["clip"] > 0  # the sum's clients, as the transport lists them
     a = _state(tmp_path / "plain" / "checkpoints" / "round_0001.pt")["weights"]
     b = _state(tmp_path / "secure" / "checkpoints" / "round_0001.pt")["weights"]
     assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a)
@@ -213,7 +218,10 @@ def test_dp_and_secure_aggregation_together_account_every_site(tmp_path, monkeyp
     p = rep["privacy"]
     assert p["secure_aggregation"] is True and 0 < p["epsilon"] <= 4.0 + 1e-3
     assert sorted(p["clients"]) == ["0", "1", "2", "3"]
-    assert all(c["steps"] > 0 and c["releases"] == 2 for c in p["clients"].values())  # round 1 and the finishing round
+    # round 1, the finishing round and the in-domain detector's statistics
+    assert all(c["steps"] > 0 and c["releases"] == 3 for c in p["clients"].values())
+    assert rep["domain_detector"]["fitted"] and rep["domain_detector"]["private"] == \
+        "differential privacy, secure aggregation"
 
 
 def test_secure_aggregation_with_federated_calibration_fits_on_sums_only(tmp_path, monkeypatch):
@@ -259,7 +267,8 @@ def test_lda_under_secure_aggregation_fits_the_plaintext_head_and_splits_dp_nois
                                 tmp_path / "dp")
     p = rep["privacy"]
     assert p["noise"] == "distributed" and p["sites_in_a_sum_at_least"] == 3  # round(0.67 · 4)
-    assert all(c["steps"] == 0 and c["releases"] == 1 for c in p["clients"].values())
+    # the class sums and the in-domain detector's sums (the census is the plan's own)
+    assert all(c["steps"] == 0 and c["releases"] == 2 for c in p["clients"].values())
     assert p["epsilon"] <= 4.0 + 1e-3 < p["share_epsilon"]
     from tafl.privacy_text import privacy_lines
 

@@ -29,18 +29,22 @@ class DomainStatsClient:
         Under record-level DP every feature vector is clipped to norm F = dp_feature_clip·√D, the sums (sensitivity
         F) and the outer products' sum (sensitivity F²) are one Gaussian release at the plan's statistics noise
         multiplier, and the counts are the site's census (already released): one release, which the plan counted
-        from the start (tafl.training.methods.dp.detector_releases)."""
+        from the start (tafl.training.methods.dp.detector_releases). With secure aggregation alone the features are
+        clipped to the round's public `domain_clip` (SecAgg+'s layout needs a bound), which the server sets well
+        above any norm it sees on its own validation images."""
         m = self.method
         C = int(m.model_cfg.num_classes)
         feats = self.features(payload, data.images[data.indices])
         labels = data.local_labels.numpy()
         metrics = {"domain_stats": 1.0}
+        F = round_cfg.get("domain_clip")  # with secure aggregation: the server's public bound on a feature's norm
         if m.dp:
-            from tafl.training.privacy import clip_rows
-
             plan = m.privacy.plan(len(data))
             F = plan.feature_clip * feats.shape[1] ** 0.5
-            feats = clip_rows(torch.from_numpy(feats), F).numpy()
+        if F is not None:
+            from tafl.training.privacy import clip_rows
+
+            feats = clip_rows(torch.from_numpy(feats), float(F)).numpy()
         sums = np.zeros((C, feats.shape[1]), np.float64)
         np.add.at(sums, labels, feats)
         extras = {"dom_sum": torch.from_numpy(sums), "dom_outer": torch.from_numpy(feats.T @ feats),

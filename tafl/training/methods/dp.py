@@ -63,5 +63,5 @@ class ClientPrivacy:
 
 def detector_releases(cfg: RunConfig) -> int:
     """The Gaussian releases the in-domain detector's statistics round costs a site: one, where it is fitted under DP
-    (tafl.training.detector.fit_detector: not with secure aggregation yet)."""
-    return int(bool(cfg.domain_detector) and cfg.dp_epsilon is not None and not cfg.secure_aggregation)
+    (tafl.training.detector.fit_detector)."""
+    return int(bool(cfg.domain_detector) and cfg.dp_epsilon is not None)
