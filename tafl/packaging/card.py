@@ -74,7 +74,7 @@ def render_card(m: PackageMetadata) -> str:
               f"{[round(v, 4) for v in pre.mean]}, std {[round(v, 4) for v in pre.std]}).", "",
               f"Input domain: {describe(m.domain)}." + (" A DICOM whose Modality, SOP class or colour contradicts it "
                                                          "is refused before the model runs." if m.domain else ""), "",
-              _detector_line(m.domain.detector), "",
+              detector_line(m.domain.detector), "",
               "## Outputs", "", "| name | shape | type | meaning |", "|---|---|---|---|"]
     for o in m.outputs:
         lines.append(f"| `{o.name}` | {list(o.shape)} | {o.dtype} | {o.description} |")
@@ -134,7 +134,7 @@ def _provenance_lines(m: PackageMetadata) -> list[str]:
     return lines
 
 
-def _detector_line(det: Detector) -> str:
+def detector_line(det: Detector) -> str:
     """The learned in-domain detector in one paragraph: its threshold and what it refuses of the test split."""
     if not det:
         return "In-domain score: none (a package from before it)."

@@ -44,7 +44,7 @@ from typing import Any
 
 from tafl import __version__
 from tafl.errors import PackageError
-from tafl.packaging.records import NUMBER, STR_OR_NULL, VERSION_RE, Record, _Reader
+from tafl.packaging.records import NUMBER, STR_OR_NULL, VERSION_RE, Record, Reader
 
 SCHEMA_NAME = "tafl-model-package"
 SCHEMA_VERSION = 1
@@ -375,7 +375,7 @@ class PreprocessSpec:
     resize: str = "squash"  # the whole image to size x size
 
     @classmethod
-    def read(cls, r: _Reader) -> PreprocessSpec:
+    def read(cls, r: Reader) -> PreprocessSpec:
         return cls(r("size", (int,)), r("channels", (int,)), r.numbers("mean"), r.numbers("std"),
                    r("resample", (str,), optional=True, default="bilinear"),
                    r("resize", (str,), optional=True, default="squash"))
@@ -396,7 +396,7 @@ class InputSpec:
     preprocessing: str | None = None  # the same in words
 
     @classmethod
-    def read(cls, r: _Reader) -> InputSpec:
+    def read(cls, r: Reader) -> InputSpec:
         name, shape, dtype = r("name", (str,)), r("shape", (list,)), r("dtype", (str,))
         text = r("preprocessing", STR_OR_NULL, optional=True)
         pre = r.object("preprocess")
@@ -426,7 +426,7 @@ class InputDomain:
         return bool(self.modalities or self.sop_classes or self.colour)
 
     @classmethod
-    def read(cls, r: _Reader | None) -> InputDomain:
+    def read(cls, r: Reader | None) -> InputDomain:
         if r is None:
             return cls()
         mods = r("modalities", (list,), optional=True, default=[])
@@ -465,7 +465,7 @@ class OutputSpec:
     description: str | None = None
 
     @classmethod
-    def read(cls, r: _Reader) -> OutputSpec:
+    def read(cls, r: Reader) -> OutputSpec:
         return cls(r("name", (str,)), tuple(r("shape", (list,)) or ()), r("dtype", (str,)),
                    r("description", STR_OR_NULL, optional=True))
 
@@ -493,7 +493,7 @@ class Vote:
     tie_break: str | None = None
 
     @classmethod
-    def read(cls, r: _Reader) -> Vote:
+    def read(cls, r: Reader) -> Vote:
         return cls(r("rule", STR_OR_NULL, optional=True), tuple(r("weights", (list,), optional=True) or ()),
                    r("tie_break", STR_OR_NULL, optional=True))
 
@@ -525,7 +525,7 @@ class PriorSpec:
     adaptive_check: AdaptiveCheck = field(default_factory=AdaptiveCheck)
 
     @classmethod
-    def read(cls, r: _Reader, num_classes: int) -> PriorSpec:
+    def read(cls, r: Reader, num_classes: int) -> PriorSpec:
         opt = {"optional": True}
         return cls(r.numbers("source_prior", length=num_classes or None),
                    r("input", (str,), optional=True, default="log_prior_ratio"),
@@ -601,13 +601,13 @@ class PackageMetadata:
             raise PackageError(f"{where}: missing 'schema'")
         raw = migrate(raw, schema_version(raw["schema"], where))
         problems: list[str] = []
-        meta = cls._read(_Reader(raw, "", problems))
+        meta = cls._read(Reader(raw, "", problems))
         if problems:
             raise PackageError(f"{where}: " + "; ".join(problems))
         return meta
 
     @classmethod
-    def _read(cls, r: _Reader) -> PackageMetadata:
+    def _read(cls, r: Reader) -> PackageMetadata:
         """Every field in the order export writes them, so the problems are listed in the file's order."""
         head = dict(schema=r("schema", (str,)), name=r("name", (str,)), version=r.semver("version"),
                     parent_version=r.semver("parent_version", nullable=True), parent=Parent.read(r, "parent"),
@@ -630,7 +630,7 @@ class PackageMetadata:
         if domain.detector.threshold is not None and "domain_distance" not in {o.name for o in outputs}:
             r.problems.append("'domain.detector' is fitted, but 'outputs' lack 'domain_distance'")
         return cls(**head, class_names=names, input=InputSpec.read(inp) if inp else None, outputs=outputs,
-                   experts=experts, vote=None if vote is None else Vote.read(_Reader(vote, "vote", r.problems)),
+                   experts=experts, vote=None if vote is None else Vote.read(Reader(vote, "vote", r.problems)),
                    decision=decision, prior=PriorSpec.read(prior, len(names)) if prior else None,
                    heatmap=r("heatmap", (str,)), training=Training.read(r, "training", nullable=False),
                    data_provenance=Provenance.read(r, "data_provenance", nullable=False),
@@ -667,7 +667,7 @@ _KNOWN = frozenset(("schema", "name", "version", "parent_version", "parent", "cr
                     "intended_use", "limitations", "verification", "class_codes", "domain"))
 
 
-def _check_outputs(outputs: tuple[OutputSpec, ...], ensemble: bool, r: _Reader) -> None:
+def _check_outputs(outputs: tuple[OutputSpec, ...], ensemble: bool, r: Reader) -> None:
     """Every graph answers label, probs and heatmap; an ensemble's also each expert's label and probabilities and
     the vote totals."""
     have = {o.name for o in outputs}

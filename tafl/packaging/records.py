@@ -1,4 +1,4 @@
-"""Reading metadata.json with every problem named (tafl.packaging.metadata's building blocks): `_Reader` collects
+"""Reading metadata.json with every problem named (tafl.packaging.metadata's building blocks): `Reader` collects
 each problem by its field's path, `Record` carries a record other parts of tafl wrote, whole, as written.
 Standard library and tafl.errors only."""
 
@@ -17,7 +17,7 @@ _TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", list: "a l
                bool: "true or false", type(None): "null"}
 
 
-class _Reader:
+class Reader:
     """One JSON object of the metadata, read key by key; each problem is kept with its field's dotted path."""
 
     def __init__(self, obj: Mapping[str, Any], path: str, problems: list[str]):
@@ -62,7 +62,7 @@ class _Reader:
             self.problem(key, f"is {v!r}, not a semantic version (MAJOR.MINOR.PATCH)")
         return v
 
-    def objects(self, key: str) -> list[_Reader]:
+    def objects(self, key: str) -> list[Reader]:
         """A list of JSON objects, each as a reader of its own (path `key[i]`)."""
         items = self(key, (list,))
         if items is None:
@@ -70,15 +70,15 @@ class _Reader:
         out = []
         for i, item in enumerate(items):
             if isinstance(item, dict):
-                out.append(_Reader(item, f"{self.name(key)}[{i}]", self.problems))
+                out.append(Reader(item, f"{self.name(key)}[{i}]", self.problems))
             else:
                 self.problems.append(f"'{self.name(key)}[{i}]' has type {type(item).__name__}, expected an object")
         return out
 
-    def object(self, key: str, *, optional: bool = False) -> _Reader | None:
+    def object(self, key: str, *, optional: bool = False) -> Reader | None:
         """The JSON object at `key` as a reader of its own; an `optional` one may also be absent or null (None)."""
         obj = self(key, (dict, type(None)) if optional else (dict,), optional=optional)
-        return None if obj is None else _Reader(obj, self.name(key), self.problems)
+        return None if obj is None else Reader(obj, self.name(key), self.problems)
 
 
 # ------------------------------------------------------------------ records other parts write, carried whole
@@ -103,7 +103,7 @@ class Record:
         return None if self.fields is None else dict(self.fields)
 
     @classmethod
-    def read(cls, r: _Reader, key: str, *, optional: bool = True, nullable: bool = True):
+    def read(cls, r: Reader, key: str, *, optional: bool = True, nullable: bool = True):
         """The record at `key`: an object (or null where `nullable`; absent where `optional` and `nullable`)."""
         return cls(r(key, (dict, type(None)) if nullable else (dict,), optional=optional and nullable))
 

@@ -226,10 +226,14 @@ def _distributed(cfg, clients: dict[str, Any], secure_aggregation: bool) -> dict
 
     m_t = min_in_sum(cfg.clients, SecAggParams())
     z_s = min(c["stats_noise_multiplier"] for c in clients.values())
-    from tafl.training.methods.dp import detector_releases
-
     share = share_epsilon(z_s, math.sqrt(m_t), float(cfg.dp_delta), detector_releases(cfg))
     return {"noise": "distributed", "sites_in_a_sum_at_least": m_t, "share_epsilon": round(share, 4),
             "trust": f"the class sums' noise is split over the sites of each SecAgg+ sum, each adding 1/√{m_t} of it: "
                      f"the ε above holds against a coordinator that sees only the secure sums; one site's own share, "
                      f"seen alone, is ({share:.3g}, {float(cfg.dp_delta):.0e})-DP"}
+
+
+def detector_releases(cfg) -> int:
+    """The Gaussian releases the in-domain detector's statistics round costs a site: one, where it is fitted under DP
+    (tafl.training.detector.fit_detector)."""
+    return int(bool(cfg.domain_detector) and cfg.dp_epsilon is not None)

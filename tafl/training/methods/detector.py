@@ -29,7 +29,7 @@ class DomainStatsClient:
         Under record-level DP every feature vector is clipped to norm F = dp_feature_clip·√D, the sums (sensitivity
         F) and the outer products' sum (sensitivity F²) are one Gaussian release at the plan's statistics noise
         multiplier, and the counts are the site's census (already released): one release, which the plan counted
-        from the start (tafl.training.methods.dp.detector_releases). With secure aggregation alone the features are
+        from the start (tafl.training.privacy.detector_releases). With secure aggregation alone the features are
         clipped to the round's public `domain_clip` (SecAgg+'s layout needs a bound), which the server sets well
         above any norm it sees on its own validation images."""
         m = self.method

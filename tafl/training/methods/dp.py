@@ -27,7 +27,7 @@ class ClientPrivacy:
 
     def plan(self, n: int):
         """The plan (tafl.training.privacy.ClientPlan) of a client with n training records."""
-        from tafl.training.privacy import plan_client
+        from tafl.training.privacy import detector_releases, plan_client
 
         per_round, finishing = self.releases
         # the in-domain detector's statistics (tafl.training.detector): one release after training
@@ -60,8 +60,3 @@ class ClientPrivacy:
             self._census[k] = noisy.clamp_min(0).to(torch.float32)
         return self._census[k].clone()
 
-
-def detector_releases(cfg: RunConfig) -> int:
-    """The Gaussian releases the in-domain detector's statistics round costs a site: one, where it is fitted under DP
-    (tafl.training.detector.fit_detector)."""
-    return int(bool(cfg.domain_detector) and cfg.dp_epsilon is not None)
