@@ -80,6 +80,10 @@ def test_the_package_scores_as_training_did_and_flags_what_it_never_saw(fedavg_r
     assert "domain_distance" in [o.name for o in pkg.meta.outputs]
     t = pkg.meta.domain.detector.threshold
     assert t is not None and pkg.meta.verification.fields["max_rel_domain_distance_diff"] <= 1e-3
+    # the card and the metadata state what training measured against the far sets
+    far = pkg.meta.domain.detector.detection
+    assert set(far) >= {"dicom", "photos", "noise", "constant"} and 0.5 < far["noise"]["auroc"] <= 1.0
+    assert "Measured at training against images it must not answer" in pkg.card and "noise" in pkg.card
     ck = load_checkpoint(run / "final.pt")
     ds = load_dataset(RunConfig.from_dict(ck["run_config"]))
     val = ds.val.images[:64]
@@ -283,3 +287,23 @@ def test_a_retrain_fits_its_own_detector_and_never_keeps_the_parents(fedavg_run,
     assert private["domain_detector"]["fitted"] is False
     pkg = export_checkpoint(tmp_path / "p" / "final.pt", tmp_path / "pkg")
     assert "domain_distance" not in [o.name for o in pkg.meta.outputs] and pkg.meta.domain.detector.threshold is None
+
+
+def test_open_set_class_trains_without_it_and_measures_how_its_images_are_flagged(tmp_path):
+    """--open-set-class 3: a digits model that never saw a 3; its test 3s are the report's unseen class, measured
+    beside the far sets (AUROC in [0, 1], the share the threshold accepts); an unknown name is one clear error."""
+    from tafl.errors import DataError
+    from tafl.training.config import load_config
+    from tafl.training.data import load_dataset
+    from tafl.training.simulator import train
+    from tests.conftest import CONFIGS
+
+    cfg = load_config(CONFIGS / "smoke.yaml", {"rounds": 2, "open_set_class": "3"})
+    ds = load_dataset(cfg)
+    assert "3" not in ds.class_names and len(ds.class_names) == 9 and len(ds.open_set) > 0
+    assert ds.train.labels.max() == 8 and ds.provenance["open_set_class"]["test_images"] == len(ds.open_set)
+    report = train(cfg, tmp_path / "run", progress=False)
+    unseen = report["domain_detector"]["detection"]["unseen_class"]["mahalanobis"]
+    assert unseen["images"] == len(ds.open_set) and 0.0 <= unseen["auroc"] <= 1.0 and 0.0 <= unseen["accepted"] <= 1
+    with pytest.raises(DataError, match="is not a class of this dataset; its classes are 0, 1, 2"):
+        load_dataset(load_config(CONFIGS / "smoke.yaml", {"open_set_class": "cat"}))
