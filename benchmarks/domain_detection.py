@@ -156,7 +156,8 @@ def markdown(summary: dict, costs: dict, args) -> str:
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for name, m in e["detection"].items():
             maha, en = m["mahalanobis"], m.get("energy", {})
-            lines.append(f"| {name} | {ms(maha['images'])} | {ms(maha['auroc'])} | {ms(maha['fpr95'])} | "
+            lines.append(f"| {name} | {int(statistics.mean(maha['images'].values()))} | {ms(maha['auroc'])} | "
+                         f"{ms(maha['fpr95'])} | "
                          f"{ms(maha['accepted'])} | {ms(en.get('auroc', {}))} | {ms(en.get('fpr95', {}))} |")
         lines.append("")
     if costs:
