@@ -41,7 +41,7 @@ from tafl.packaging.package import ModelPackage, bump_minor, load_package, write
 from tafl.imaging import Preprocess
 from tafl.training.ensemble import ExpertEnsemble, vote_weights
 from tafl.training.explain import maps_to_image, install_taps, rollout_from, vit_grid
-from tafl.training.models import Classifier, ModelConfig, build_model
+from tafl.training.models import Classifier, ModelConfig, PreNormTap, build_model
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +59,23 @@ class _Features(nn.Module):
         self.is_vit = is_vit
         self.size = (size, size)  # the input side is fixed by the model; only the batch is dynamic
         self.taps = install_taps(model.extractor) if is_vit else []
+        self.domain: torch.Tensor | None = None  # the last forward's detector features (Classifier.domain_features)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if self.is_vit:
             for t in self.taps:
                 t.maps, t.record = [], True
-            feats = self.extractor(x)
+            with PreNormTap(self.extractor) as tap:
+                feats = self.extractor(x)
+            self.domain = tap.domain_features()
             attns = [t.maps[-1] for t in self.taps]
             for t in self.taps:
                 t.maps, t.record = [], False
             return feats, attns
         maps = self.extractor.forward_maps(x)  # (B, D, h, w)
-        return maps.mean(dim=(2, 3)), maps
+        feats = maps.mean(dim=(2, 3))
+        self.domain = feats
+        return feats, maps
 
     def heatmap(self, x: torch.Tensor, aux: Any, class_weight: torch.Tensor) -> torch.Tensor:
         """(B, H, W) in [0, 1]: rollout (ViT) or CAM with per-sample class weights (B, D) (CNN)."""
@@ -154,7 +159,7 @@ class EnsembleGraph(nn.Module):
         w = self.ensemble.W.mean(dim=0)[label]  # (B, D): the experts' mean row of the decided class
         heat = self.feats.heatmap(image, aux, w)
         outs = (label, probs, out["expert_labels"], out["expert_probs"], out["votes"], heat, calibrated)
-        return outs if self.detector is None else (*outs, self.detector(feats))
+        return outs if self.detector is None else (*outs, self.detector(self.feats.domain))
 
 
 class SingleHeadGraph(nn.Module):
@@ -183,7 +188,7 @@ class SingleHeadGraph(nn.Module):
                                               (logits + self.offset).argmax(dim=1), torch.softmax(logits, dim=1))
         heat = self.feats.heatmap(image, aux, self.head.weight[label])
         outs = (label, probs, logits, heat, calibrated)
-        return outs if self.detector is None else (*outs, self.detector(feats))
+        return outs if self.detector is None else (*outs, self.detector(self.feats.domain))
 
 
 def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The in-domain detector, fitted after training (docs/design.md, "The input domain"): a class-conditional Gaussian
-on the final model's features with one covariance shared by the classes (Lee et al. 2018), whose score is the
+on the final model's features (`Classifier.domain_features`) with one covariance shared by the classes (Lee et al. 2018), whose score is the
 squared Mahalanobis distance to the nearest class mean. The clients send feature sums in one statistics round
 (tafl.training.methods.detector); the server turns them into the means and the covariance, and picks the threshold
 on its validation split alone: the distance that keeps KEEP of the in-domain validation images. No test image and
@@ -85,7 +85,7 @@ def fit_detector(method: Method, state: GlobalState, transport: Transport, cfg: 
         return GlobalState(state.weights, state.extras, dict(state.meta, domain_detector={"fitted": False,
                                                                                          "why": why}))
     t0 = time.perf_counter()
-    C, dim = int(method.model_cfg.num_classes), int(method.model.feature_dim)
+    C, dim = int(method.model_cfg.num_classes), int(method.model.domain_dim)
     from tafl.training.models import build_model
 
     model = build_model(method.model_cfg).to(method.device)
@@ -149,9 +149,12 @@ def detector_report(method: Method, state: GlobalState, ds: Any, test_labels_pre
 
     def scores(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         feats = extract_features(model, torch.from_numpy(images), method.normalize, batch_size)
+        u8 = torch.from_numpy(images)
         with torch.no_grad():
-            logits = model.head(torch.from_numpy(feats).to(next(model.head.parameters())))
-        return distances(feats, means, precision), -torch.logsumexp(logits.double(), 1).cpu().numpy()
+            model.eval()
+            logits = torch.cat([model(method.normalize(u8[i:i + batch_size])).double().cpu()
+                                for i in range(0, len(u8), batch_size)])
+        return distances(feats, means, precision), -torch.logsumexp(logits, 1).numpy()
 
     dist, energy = scores(ds.test.images)
     refused = dist > rec["threshold"]

@@ -198,7 +198,7 @@ def _secure_train(msg, method, data):
     elif round_cfg.get("domain_stats"):
         from tafl.training.detector import problem
 
-        why = problem(res, int(method.model_cfg.num_classes), int(method.model.feature_dim))
+        why = problem(res, int(method.model_cfg.num_classes), int(method.model.domain_dim))
     else:
         why = _update_problem(method, payload, res)
     if why is not None:
@@ -472,7 +472,7 @@ class FlowerTransport(Transport):
             if method.dp:
                 z = method.privacy.plan(n_max).stats_noise_multiplier
                 noise, count_slack = z * 2 ** 0.5, 10.0 * z
-            return domain_layout(self.num_classes, method.model.feature_dim, n_max, float(round_cfg["domain_clip"]),
+            return domain_layout(self.num_classes, method.model.domain_dim, n_max, float(round_cfg["domain_clip"]),
                                  noise, count_slack)
         if not method.trains:  # lda: one release of class sums, no weights
             return method.secure_layout(payload, max(self.n_of[k] for k in ids))

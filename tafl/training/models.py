@@ -245,6 +245,48 @@ class Classifier(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))  # (B, C)
 
+    @property
+    def domain_dim(self) -> int:
+        """The width of `domain_features`."""
+        return 2 * self.feature_dim if is_vit_extractor(self.extractor) else self.feature_dim
+
+    def domain_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, domain_dim): what the in-domain detector scores (tafl.training.detector). A CNN's pooled features; a
+        ViT's class token and mean patch token *before* its final LayerNorm, which would normalise away the contrast
+        that tells a blank frame or a digit from skin (docs/results.md, "The in-domain detector")."""
+        if not is_vit_extractor(self.extractor):
+            return self.features(x)
+        with PreNormTap(self.extractor) as tap:
+            self.extractor(x)
+        return tap.domain_features()
+
+
+def is_vit_extractor(extractor: nn.Module) -> bool:
+    return hasattr(extractor, "blocks") and hasattr(extractor, "norm")
+
+
+class PreNormTap:
+    """Records the tokens a timm ViT's final norm receives (a forward pre-hook on `extractor.norm`), while in use."""
+
+    def __init__(self, extractor: nn.Module):
+        self.extractor, self.tokens, self._hook = extractor, None, None
+
+    def __enter__(self) -> PreNormTap:
+        self._hook = self.extractor.norm.register_forward_pre_hook(self._record)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hook.remove()
+
+    def _record(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        self.tokens = args[0]
+
+    def domain_features(self) -> torch.Tensor:
+        t = self.tokens  # (B, prefix + patches, D)
+        n = int(getattr(self.extractor, "num_prefix_tokens", 1))
+        first = t[:, 0] if n > 0 else t.mean(dim=1)
+        return torch.cat([first, t[:, n:].mean(dim=1)], dim=1)
+
 
 def _build_resnet8(cfg: ModelConfig, pretrained: bool) -> nn.Module:
     if pretrained:

@@ -307,3 +307,33 @@ def test_open_set_class_trains_without_it_and_measures_how_its_images_are_flagge
     assert unseen["images"] == len(ds.open_set) and 0.0 <= unseen["auroc"] <= 1.0 and 0.0 <= unseen["accepted"] <= 1
     with pytest.raises(DataError, match="is not a class of this dataset; its classes are 0, 1, 2"):
         load_dataset(load_config(CONFIGS / "smoke.yaml", {"open_set_class": "cat"}))
+
+
+def test_a_vit_is_scored_on_its_tokens_before_the_final_norm(dafl_run, tmp_path):
+    """ViT-DAFL's detector features are its class token and mean patch token before the final LayerNorm (twice the
+    width of its features); the exported graph computes the same distance as training does on them."""
+    from tafl.packaging.export import export_checkpoint
+    from tafl.training.checkpoint import load_checkpoint
+    from tafl.training.methods.detector import extract_features
+    from tafl.training.models import ModelConfig, build_model
+
+    ck = load_checkpoint(dafl_run / "final.pt")
+    if not (ck["state"]["meta"].get("domain_detector") or {}).get("fitted"):
+        pytest.skip("the shared ViT-DAFL run fitted no detector")
+    model = build_model(ModelConfig.from_dict(ck["model_config"]))
+    model.load_state_dict(ck["state"]["weights"])
+    assert model.domain_dim == 2 * model.feature_dim
+    pkg = export_checkpoint(dafl_run / "final.pt", tmp_path / "pkg")
+    assert pkg.meta.verification.fields["max_rel_domain_distance_diff"] <= 1e-3
+    pre = pkg.preprocess
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (16, pre.size, pre.size, pre.channels), np.uint8)
+    mean = torch.tensor(pre.mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(pre.std, dtype=torch.float32).view(1, -1, 1, 1)
+    norm = lambda b: (b.permute(0, 3, 1, 2).float() / 255.0 - mean) / std  # noqa: E731
+    feats = extract_features(model, torch.from_numpy(images), norm, 8)
+    assert feats.shape == (16, model.domain_dim)
+    ex = ck["state"]["extras"]
+    ref = distances(feats, ex["domain.means"].double().numpy(), ex["domain.precision"].double().numpy())
+    got = pkg.run(pkg.session(), pre.normalize(images))["domain_distance"]
+    assert np.allclose(got, ref, rtol=1e-3), np.abs(got - ref).max()

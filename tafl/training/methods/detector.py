@@ -59,7 +59,8 @@ class DomainStatsClient:
         return ClientResult(data.client_id, len(data), {}, extras, metrics)
 
     def features(self, payload: Tensors, images_u8: torch.Tensor) -> np.ndarray:
-        """(N, D) float64: the payload model's features (`Classifier.features`, what the package's graph scores)."""
+        """(N, D) float64: the payload model's detector features (`Classifier.domain_features`, what the package's
+        graph scores)."""
         m = self.method
         keys = set(m.model.state_dict())
         m.model.load_state_dict({k: v for k, v in payload.items() if k in keys})
@@ -68,11 +69,12 @@ class DomainStatsClient:
 
 @torch.no_grad()
 def extract_features(model: Any, images_u8: torch.Tensor, normalize: Any, batch_size: int) -> np.ndarray:
-    """(N, D) float64 features of uint8 (N, H, W, C) images, in eval mode, batch by batch."""
+    """(N, D) float64 detector features (`Classifier.domain_features`) of uint8 (N, H, W, C) images, in eval mode,
+    batch by batch."""
     was_training = model.training
     model.eval()
-    out = [model.features(normalize(images_u8[i:i + batch_size])).double().cpu()
+    out = [model.domain_features(normalize(images_u8[i:i + batch_size])).double().cpu()
            for i in range(0, len(images_u8), batch_size)]
     model.train(was_training)
-    dim = int(model.feature_dim)
+    dim = int(model.domain_dim)
     return torch.cat(out).numpy() if out else np.zeros((0, dim), np.float64)
