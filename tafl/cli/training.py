@@ -229,6 +229,10 @@ def _demo_serve(pkg_dir: Path, samples: list[Path], port: int | None, seconds: f
             r.raise_for_status()
             body = r.json()
             truth = sample.stem.rsplit("_", 1)[-1]
+            if body.get("abstained"):  # the in-domain detector put it outside the model's domain: no label
+                wrong += 1
+                print(f"  {sample.name} (a {truth}) -> no finding: {body['reason']}")
+                continue
             votes = ", ".join(f"{e['name']}={e['class_name']}" for e in body["experts"])
             mark = "right" if body["class_name"] == truth else "WRONG"
             wrong += mark == "WRONG"
