@@ -42,20 +42,14 @@ def _fit(images: Iterable[np.ndarray], size: int, channels: int) -> np.ndarray:
 def dicom_images(dirs: Iterable[Path] = ()) -> list[np.ndarray]:
     """The first frame of every DICOM image instance in pydicom's test files and `dirs`, as the service decodes it;
     instances it refuses (no pixels, unsupported transfer syntax) are left out."""
-    import warnings
-
     from tafl.errors import TaflError
     from tafl.imaging import decode_image
 
-    files: list[Path] = []
-    try:
-        with warnings.catch_warnings():  # pydicom warns that the files it would download are absent
-            warnings.simplefilter("ignore")
-            from pydicom.data import get_testdata_files
+    import pydicom.data
 
-            files += [Path(f) for f in get_testdata_files("*.dcm")]
-    except Exception:  # noqa: BLE001 - a pydicom without its test files: the other dirs only
-        log.debug("pydicom's test files are not available", exc_info=True)
+    # the files pydicom ships, read from its folder: its get_testdata_files would try to download more (seconds of
+    # network timeouts on a machine without one, in every training report)
+    files: list[Path] = sorted((Path(pydicom.data.__file__).parent / "test_files").glob("*.dcm"))
     for d in dirs:
         files += sorted(Path(d).glob("*.dcm"))
     seen, frames = set(), []
