@@ -157,7 +157,7 @@ def test_ctrl_c_then_the_printed_command_finishes_the_run(tmp_path, verb, gtafl_
         first = ["train", "--config", str(CONFIGS / "smoke.yaml"), "--method", "fedavg", "--lr", "0.07"]
     else:
         first = ["retrain", "--from", str(gtafl_pkg), "--lr", "0.07"]
-    first += ["--rounds", "4", "--no-progress"]
+    first += ["--rounds", "8", "--no-progress"]  # rounds of half a second: room for the signal to land mid-run
     out = tmp_path / "run"
     proc = subprocess.Popen([*TAFL, *first, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, cwd=tmp_path)
@@ -180,7 +180,7 @@ def test_ctrl_c_then_the_printed_command_finishes_the_run(tmp_path, verb, gtafl_
     res = run(*first, "--out", str(ref), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = (json.loads((d / "report.json").read_text()) for d in (out, ref))
-    assert a["config"]["lr"] == 0.07 and a["rounds_run"] == 4
+    assert a["config"]["lr"] == 0.07 and a["rounds_run"] == 8
     assert _drop_timing(a) == _drop_timing(b)
     wa = torch.load(out / "final.pt", weights_only=True)["state"]["weights"]
     wb = torch.load(ref / "final.pt", weights_only=True)["state"]["weights"]
