@@ -159,11 +159,16 @@ def _fit_images(images: np.ndarray, pre: Preprocess) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- digits
+def digits_u8(images: np.ndarray) -> np.ndarray:
+    """scikit-learn's digits (0-16) as uint8 images (0-255): the training data and the far-out-of-domain set alike."""
+    return np.round(images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+
+
 def _load_digits(cfg: RunConfig):
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    images = np.round(d.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)  # (1797, 8, 8)
+    images = digits_u8(d.images)  # (1797, 8, 8)
     labels = d.target.astype(np.int64)
     ids = np.arange(len(labels))
     splits = _split(images, labels, ids, None, cfg)

@@ -92,7 +92,9 @@ def photo_crops(seed: int, per_photo: int = CROPS_PER_PHOTO) -> list[np.ndarray]
 def digit_images() -> list[np.ndarray]:
     from sklearn.datasets import load_digits
 
-    return list(np.round(load_digits().images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8))
+    from tafl.training.data import digits_u8
+
+    return list(digits_u8(load_digits().images))
 
 
 def far_sets(dataset: str, size: int, channels: int, seed: int, dicom_dirs: Iterable[Path] = (),
