@@ -3,7 +3,9 @@
     python benchmarks/serving_lanes.py PKG [--rounds 3] [--seconds 10] [--variants JSON] [--name NAME]
 
 A variant is an environment: TAFL_* settings, or PYTHONPATH naming another checkout of tafl to compare code (run the
-script from a folder that holds no `tafl`, since `bentoml serve` puts its working folder first on the path).
+script from a folder that holds no `tafl`, since `bentoml serve` puts its working folder first on the path), or
+PACKAGE naming another package folder to serve instead of PKG (e.g. the same checkpoint exported with and without
+the in-domain detector: `tafl export --domain detector=off`).
 
 Each round starts `bentoml serve` once per variant (its TAFL_* environment, e.g. the model lanes and ONNX Runtime
 threads), drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG (docs/results.md, "The first service measurement"; 3 s warm-up, then
@@ -93,8 +95,10 @@ def main() -> int:
     rows: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(ns.rounds):
         for name, env in variants.items():
-            before = in_process(pkg, data)["throughput_img_s"]
-            with ServerProcess([str(pkg)], env=dict(env, BENTOML_DO_NOT_TRACK="True"),
+            vpkg = Path(env["PACKAGE"]).resolve() if "PACKAGE" in env else pkg
+            env = {k: v for k, v in env.items() if k != "PACKAGE"}
+            before = in_process(vpkg, data)["throughput_img_s"]
+            with ServerProcess([str(vpkg)], env=dict(env, BENTOML_DO_NOT_TRACK="True"),
                                log_path=logs / "serving_lanes.log") as srv:
                 wrk_load(srv.url, data[0], 32, seconds=3)
                 w = wrk_load(srv.url, data[0], 32, seconds=ns.seconds)
@@ -103,7 +107,7 @@ def main() -> int:
                 served_by = {"workers": models["worker"]["workers"], "lanes": models["models"][0]["lanes"]}
             if not w:
                 sys.exit("wrk is not installed (apt-get install wrk)")
-            after = in_process(pkg, data)["throughput_img_s"]
+            after = in_process(vpkg, data)["throughput_img_s"]
             ceiling = (before + after) / 2
             row = {"round": r, "img_s": w["throughput_img_s"], "p50_ms": w["p50_ms"], "p99_ms": w["p99_ms"],
                    "errors": w["errors"], "ceiling_img_s": ceiling, "ratio": w["throughput_img_s"] / ceiling,

@@ -140,9 +140,10 @@ def detector_line(det: Detector) -> str:
         return "In-domain score: none (a package from before it)."
     if det.threshold is None:
         return f"In-domain score: none; {det.why}."
+    energy = " (or, where larger, the energy of its logits on that scale)" if det.kind == "mahalanobis+energy" else ""
     line = (f"In-domain score: `domain_distance`, the squared Mahalanobis distance of the image's features to the "
-            f"nearest class mean; above {det.threshold:.1f} (the distance that keeps {100 * det.keep:.0f}% of the "
-            "validation images) an image lies outside the training domain.")
+            f"nearest class mean{energy}; above {det.threshold:.1f} (the score that keeps {100 * det.keep:.0f}% of "
+            "the validation images) an image lies outside the training domain.")
     if det.test_refused is not None:
         line += f" It refuses {100 * det.test_refused:.1f}% of the in-domain test split."
     if det.detection:

@@ -184,6 +184,7 @@ def domain_verdict(meta: Any, out: dict[str, np.ndarray], i: int) -> dict[str, A
     d = float(out["domain_distance"][i])
     inside = d <= threshold
     keep = det.keep
-    why = (f"its features lie {'within' if inside else 'beyond'} the distance that keeps {100 * keep:.0f}% of the "
+    what = "score" if det.kind == "mahalanobis+energy" else "distance"  # with the energy: the larger of the two
+    why = (f"its features lie {'within' if inside else 'beyond'} the {what} that keeps {100 * keep:.0f}% of the "
            f"model's validation images ({d:.1f} {'≤' if inside else '>'} {threshold:.1f})")
     return {"in_domain": inside, "distance": d, "threshold": threshold, "reason": why}

@@ -114,24 +114,45 @@ class _PriorAdaptation(nn.Module):
 
 class _DomainDistance(nn.Module):
     """The in-domain detector (tafl.training.detector) inside the graph: the squared Mahalanobis distance of the
-    features to the nearest class mean under the shared precision P = L·Lᵀ, as ‖f·L − μ·L‖² (B,)."""
+    detector features to the nearest class mean under the shared precision P = L·Lᵀ, as ‖f·L − μ·L‖² (B,); where
+    training matched the head's energy to it, the larger of that and the energy's distance equivalent
+    exp(μ_L + σ_L (E − μ_E) / σ_E), E = −logsumexp of the head's logits on its input features."""
 
-    def __init__(self, means: torch.Tensor, precision: torch.Tensor):
+    def __init__(self, means: torch.Tensor, precision: torch.Tensor, head: nn.Linear | None = None,
+                 match: dict[str, list[float]] | None = None):
         super().__init__()
         whiten = torch.linalg.cholesky(precision.double())  # P = L·Lᵀ
         self.register_buffer("whiten", whiten.to(torch.float32))
         self.register_buffer("centres", (means.double() @ whiten).to(torch.float32))
+        self.energy = match is not None and head is not None
+        if self.energy:
+            from tafl.training.detector import ENERGY_CAP
 
-    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+            (mu_l, sd_l), (mu_e, sd_e) = match["log_distance"], match["energy"]
+            self.register_buffer("head_weight", head.weight.detach().clone().float())
+            self.register_buffer("head_bias", head.bias.detach().clone().float())
+            self.slope, self.offset, self.cap = sd_l / sd_e, mu_l - sd_l * mu_e / sd_e, ENERGY_CAP
+
+    def forward(self, feats: torch.Tensor, head_feats: torch.Tensor,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
+        """`logits`: the head's on `head_feats` where the graph has them already (one matrix product fewer)."""
         g = feats @ self.whiten
-        return ((g[:, None, :] - self.centres[None]) ** 2).sum(dim=-1).min(dim=1).values
+        dist = ((g[:, None, :] - self.centres[None]) ** 2).sum(dim=-1).min(dim=1).values
+        if not self.energy:
+            return dist
+        if logits is None:
+            logits = head_feats @ self.head_weight.T + self.head_bias
+        # offset + slope · E with E = −logsumexp: as few graph nodes as it takes (they cost at batch 1)
+        lse = torch.logsumexp(logits, dim=1)
+        return torch.maximum(dist, torch.exp(torch.clamp(self.offset - self.slope * lse, max=self.cap)))
 
 
-def _detector(extras: dict[str, Any], state_meta: dict[str, Any]) -> _DomainDistance | None:
-    """The checkpoint's fitted detector as a graph module, or None (a run from before it, or one under DP)."""
-    if "domain.means" not in extras or not (state_meta.get("domain_detector") or {}).get("fitted"):
+def _detector(model: Classifier, extras: dict[str, Any], state_meta: dict[str, Any]) -> _DomainDistance | None:
+    """The checkpoint's fitted detector as a graph module, or None (a run from before it, or one without)."""
+    rec = state_meta.get("domain_detector") or {}
+    if "domain.means" not in extras or not rec.get("fitted"):
         return None
-    return _DomainDistance(extras["domain.means"], extras["domain.precision"])
+    return _DomainDistance(extras["domain.means"], extras["domain.precision"], model.head, rec.get("energy_match"))
 
 
 class EnsembleGraph(nn.Module):
@@ -159,7 +180,7 @@ class EnsembleGraph(nn.Module):
         w = self.ensemble.W.mean(dim=0)[label]  # (B, D): the experts' mean row of the decided class
         heat = self.feats.heatmap(image, aux, w)
         outs = (label, probs, out["expert_labels"], out["expert_probs"], out["votes"], heat, calibrated)
-        return outs if self.detector is None else (*outs, self.detector(self.feats.domain))
+        return outs if self.detector is None else (*outs, self.detector(self.feats.domain, feats))
 
 
 class SingleHeadGraph(nn.Module):
@@ -188,7 +209,7 @@ class SingleHeadGraph(nn.Module):
                                               (logits + self.offset).argmax(dim=1), torch.softmax(logits, dim=1))
         heat = self.feats.heatmap(image, aux, self.head.weight[label])
         outs = (label, probs, logits, heat, calibrated)
-        return outs if self.detector is None else (*outs, self.detector(self.feats.domain))
+        return outs if self.detector is None else (*outs, self.detector(self.feats.domain, feats, logits))
 
 
 def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +257,7 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, tuple[Expert, ...], Vote
                     "argmax of the weighted mean probability" if soft else
                     f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of {ens.tie_bonus:g} on its vote)")
         graph: nn.Module = EnsembleGraph(model, ens, mcfg.is_vit, mcfg.img_size, calibration,
-                                         calibration["source_expert"], _detector(extras, state_meta))
+                                         calibration["source_expert"], _detector(model, extras, state_meta))
         graph.prior_spec = calibration
         return graph.eval(), experts, vote
     from tafl.training.decision import check_record
@@ -245,7 +266,8 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, tuple[Expert, ...], Vote
         offset = check_record(state_meta.get("decision"), mcfg.num_classes)
     except ValueError as exc:
         raise PackageError(f"the checkpoint's operating point cannot be exported: {exc}") from None
-    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration, offset, _detector(extras, state_meta))
+    graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration, offset,
+                            _detector(model, extras, state_meta))
     graph.prior_spec = calibration
     return graph.eval(), (), None
 
@@ -395,7 +417,8 @@ def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size:
                              "the source prior, metadata 'prior')"),
         "domain_distance": (["batch"], "float32",
                             "the in-domain detector's score: squared Mahalanobis distance of the image's features to "
-                            "the nearest class mean; above metadata domain.detector.threshold the image lies outside "
+                            "the nearest class mean (or, where larger, the head's energy score on that scale: "
+                            "metadata domain.detector.kind); above domain.detector.threshold the image lies outside "
                             "what the model was trained on"),
     }
     return tuple(OutputSpec(n, tuple(desc[n][0]), desc[n][1], desc[n][2]) for n in names)
@@ -414,8 +437,10 @@ def _detector_spec(ck: dict[str, Any], ck_path: Path) -> dict[str, Any] | None:
     if rec.get("fitted") and test:
         out["test"] = {k: test[k] for k in ("images", "refused", "balanced_accuracy_all", "balanced_accuracy_accepted")
                        if k in test}
-    if rec.get("fitted") and measured.get("detection"):  # the package's own score, the Mahalanobis distance
-        out["detection"] = {name: m["mahalanobis"] for name, m in measured["detection"].items() if "mahalanobis" in m}
+    if rec.get("fitted") and measured.get("detection"):  # the package's own score (a report before the energy: the
+        # Mahalanobis distance, then the whole score)
+        out["detection"] = {name: m.get("score", m.get("mahalanobis")) for name, m in measured["detection"].items()
+                            if m.get("score", m.get("mahalanobis"))}
     return out
 
 

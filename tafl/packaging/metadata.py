@@ -340,6 +340,12 @@ class Detector(Record):
         return _number(self._get("keep"), 0.95)
 
     @property
+    def kind(self) -> str:
+        """`mahalanobis`, or `mahalanobis+energy` where the score is the larger of the distance and the head's
+        energy on the distance's scale."""
+        return str(self._get("kind") or "mahalanobis")
+
+    @property
     def test_refused(self) -> float | None:
         t = self._get("test")
         return _number(t.get("refused"), None) if isinstance(t, dict) else None

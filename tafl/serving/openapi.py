@@ -25,7 +25,8 @@ EXPERT = {"type": "object", "required": ["name", "label", "class_name", "probabi
                          "probability": {"type": "number"}}}
 DOMAIN = {"type": "object", "required": ["in_domain", "distance", "threshold", "reason"],
           "description": "the learned in-domain detector's verdict (packages that have one): the squared Mahalanobis "
-                         "distance of the image's features to the nearest class mean against the package's threshold",
+                         "distance of the image's features to the nearest class mean (or, where larger, the energy "
+                         "of its logits on that scale) against the package's threshold",
           "properties": {"in_domain": {"type": "boolean"}, "distance": {"type": "number"},
                          "threshold": {"type": "number"}, "reason": {"type": "string"}}}
 RESULT = {

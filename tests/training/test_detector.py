@@ -14,7 +14,7 @@ from pydicom.data import get_testdata_file
 
 torch = pytest.importorskip("torch", reason="needs torch: the train extra (pip install -e '.[train]')")
 
-from tafl.training.detector import KEEP, distances, fit_gaussian  # noqa: E402
+from tafl.training.detector import KEEP, combine, distances, fit_gaussian, head_energies  # noqa: E402
 from tests.conftest import digit_png  # noqa: E402
 
 
@@ -56,7 +56,9 @@ def fedavg_run(tmp_path_factory):
 def test_the_threshold_comes_from_validation_and_the_report_measures_the_test_split(fedavg_run):
     _, report = fedavg_run
     det = report["domain_detector"]
-    assert det["fitted"] and det["kind"] == "mahalanobis" and det["keep"] == KEEP
+    assert det["fitted"] and det["kind"] == "mahalanobis+energy" and det["keep"] == KEEP
+    match = det["energy_match"]  # the energy put on the distance's scale, from the validation split
+    assert match["log_distance"][1] > 0 and match["energy"][1] > 0
     assert abs(det["val_refused"] - (1 - KEEP)) <= 0.01  # the validation split's 95th percentile
     test = det["test"]
     assert test["images"] == 360 and 0.0 <= test["refused"] <= 0.15, test  # in-domain test images mostly kept
@@ -65,7 +67,8 @@ def test_the_threshold_comes_from_validation_and_the_report_measures_the_test_sp
 
 
 def test_the_package_scores_as_training_did_and_flags_what_it_never_saw(fedavg_run, tmp_path):
-    """The graph's distance equals the training side's on the same images; a CT slice decoded as the service
+    """The graph's score (the distance, or the head's energy on its scale where larger) equals the training side's
+    on the same images; a CT slice decoded as the service
     decodes it, noise and a blank frame lie beyond the threshold; the validation digits mostly within."""
     from tafl.imaging import decode_image
     from tafl.packaging.export import export_checkpoint
@@ -94,8 +97,10 @@ def test_the_package_scores_as_training_did_and_flags_what_it_never_saw(fedavg_r
     std = torch.tensor(pre.std, dtype=torch.float32).view(1, -1, 1, 1)
     norm = lambda b: (b.permute(0, 3, 1, 2).float() / 255.0 - mean) / std  # noqa: E731
     ex = ck["state"]["extras"]
-    ref = distances(extract_features(model, torch.from_numpy(val), norm, 32), ex["domain.means"].double().numpy(),
-                    ex["domain.precision"].double().numpy())
+    feats = extract_features(model, torch.from_numpy(val), norm, 32)
+    dist = distances(feats, ex["domain.means"].double().numpy(), ex["domain.precision"].double().numpy())
+    ref = combine(dist, head_energies(model, feats), ck["state"]["meta"]["domain_detector"]["energy_match"])
+    assert (ref > dist).any() and (ref == dist).any()  # both parts decide some of these images
     got = pkg.run(pkg.session(), pre.normalize(val))["domain_distance"]
     assert np.allclose(got, ref, rtol=1e-3), np.abs(got - ref).max()
     assert (got <= t).mean() >= 0.85
@@ -303,7 +308,7 @@ def test_open_set_class_trains_without_it_and_measures_how_its_images_are_flagge
     assert "3" not in ds.class_names and len(ds.class_names) == 9 and len(ds.open_set) > 0
     assert ds.train.labels.max() == 8 and ds.provenance["open_set_class"]["test_images"] == len(ds.open_set)
     report = train(cfg, tmp_path / "run", progress=False)
-    unseen = report["domain_detector"]["detection"]["unseen_class"]["mahalanobis"]
+    unseen = report["domain_detector"]["detection"]["unseen_class"]["score"]
     assert unseen["images"] == len(ds.open_set) and 0.0 <= unseen["auroc"] <= 1.0 and 0.0 <= unseen["accepted"] <= 1
     with pytest.raises(DataError, match="is not a class of this dataset; its classes are 0, 1, 2"):
         load_dataset(load_config(CONFIGS / "smoke.yaml", {"open_set_class": "cat"}))
@@ -323,6 +328,8 @@ def test_a_vit_is_scored_on_its_tokens_before_the_final_norm(dafl_run, tmp_path)
     model = build_model(ModelConfig.from_dict(ck["model_config"]))
     model.load_state_dict(ck["state"]["weights"])
     assert model.domain_dim == 2 * model.feature_dim
+    det = ck["state"]["meta"]["domain_detector"]  # its features are not its head's input: the distance alone
+    assert det["kind"] == "mahalanobis" and det["energy_match"] is None
     pkg = export_checkpoint(dafl_run / "final.pt", tmp_path / "pkg")
     assert pkg.meta.verification.fields["max_rel_domain_distance_diff"] <= 1e-3
     pre = pkg.preprocess

@@ -1,6 +1,7 @@
 """The in-domain detector and its metrics against a reference nobody here wrote (issue 53, item 6): pytorch-ood's
-Mahalanobis detector (Lee et al. 2018) fitted on the same features gives the package graph's `domain_distance`,
-and pytorch-ood's OODMetrics gives the report's AUROC and FPR at 95 % TPR.
+Mahalanobis detector (Lee et al. 2018) fitted on the same features gives the package graph's `domain_distance`, and
+with its energy-based detector (Liu et al. 2020) on the head's logits the graph's combined score; pytorch-ood's
+OODMetrics gives the report's AUROC and FPR at 95 % TPR.
 
 pytorch-ood is a test dependency only (the `reference` extra, which needs torch): without it these tests skip."""
 
@@ -19,8 +20,9 @@ from tafl.training.ood import detection  # noqa: E402
 def test_the_graphs_distance_is_pytorch_oods_mahalanobis_score(tmp_path):
     """Fit both on the same training features (tafl from the per-class sums the sites would send, without
     shrinkage, as pytorch-ood has none); the exported ONNX graph's distance on test images equals pytorch-ood's
-    score rescaled (it keeps the unnormalised covariance and half the distance: d = 2 (N - K) score) to 1e-4."""
-    from pytorch_ood.detector import Mahalanobis
+    score rescaled (it keeps the unnormalised covariance and half the distance: d = 2 (N - K) score) to 1e-4; with the
+    run's energy matching, the graph's score equals the larger of that and pytorch-ood's energy put on its scale."""
+    from pytorch_ood.detector import EnergyBased, Mahalanobis
 
     from tafl.packaging.export import export_checkpoint
     from tafl.training.checkpoint import load_checkpoint
@@ -53,11 +55,20 @@ def test_the_graphs_distance_is_pytorch_oods_mahalanobis_score(tmp_path):
     assert len(classes) == C
     ck["state"]["extras"]["domain.means"] = torch.from_numpy(means.astype(np.float32))
     ck["state"]["extras"]["domain.precision"] = torch.from_numpy(precision.astype(np.float32))
+    det = ck["state"]["meta"]["domain_detector"]
+    match = det["energy_match"]
+    assert det["kind"] == "mahalanobis+energy" and match is not None
+    ck["state"]["meta"]["domain_detector"] = dict(det, energy_match=None, kind="mahalanobis")
     torch.save(ck, tmp_path / "plain.pt")
+    ck["state"]["meta"]["domain_detector"] = det
+    torch.save(ck, tmp_path / "combined.pt")
     (tmp_path / "report.json").write_text("{}")
-    pkg = export_checkpoint(tmp_path / "plain.pt", tmp_path / "pkg")
     test = ds.test.images[:200]
-    got = pkg.run(pkg.session(), pre.normalize(test))["domain_distance"].astype(np.float64)
+    outs = {}
+    for name in ("plain", "combined"):
+        pkg = export_checkpoint(tmp_path / f"{name}.pt", tmp_path / f"pkg-{name}")
+        outs[name] = pkg.run(pkg.session(), pre.normalize(test))["domain_distance"].astype(np.float64)
+    got = outs["plain"]
 
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # pytorch-ood allocates its buffers in the default dtype
@@ -65,12 +76,20 @@ def test_the_graphs_distance_is_pytorch_oods_mahalanobis_score(tmp_path):
         ref = Mahalanobis(None).fit_features(torch.from_numpy(feats), torch.from_numpy(labels))
         test_feats = extract_features(model, torch.from_numpy(test), norm, 128)
         score = ref.predict_features(torch.from_numpy(test_feats)).numpy()
+        with torch.no_grad():
+            energy = EnergyBased.score(model.head.double()(torch.from_numpy(test_feats))).numpy()
     finally:
         torch.set_default_dtype(old)
     expected = 2 * (len(labels) - C) * score
     rel = np.abs(got - expected) / np.maximum(np.abs(expected), 1.0)
     assert rel.max() <= 1e-4, rel.max()
     assert np.corrcoef(got, expected)[0, 1] > 0.9999
+    (mu_l, sd_l), (mu_e, sd_e) = match["log_distance"], match["energy"]
+    equivalent = np.exp(mu_l + sd_l * (energy - mu_e) / sd_e)
+    assert (equivalent > expected).any() and (equivalent < expected).any()  # both parts decide some images
+    combined = np.maximum(expected, equivalent)
+    rel = np.abs(outs["combined"] - combined) / np.maximum(np.abs(combined), 1.0)
+    assert rel.max() <= 1e-4, rel.max()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
