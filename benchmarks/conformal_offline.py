@@ -106,7 +106,8 @@ def measure(d: dict, alpha: float) -> dict:
             prior = distribution_prior(d["ranks"], kind, imf) * present
             prior = prior / prior.sum()
             mixes[mix] = {"coverage": float(np.nansum(prior * cov_c)), "size": float(np.nansum(prior * size_c))}
-        rec = {"coverage_all": float(hit.mean()), "size_all": float(size.mean()), "empty_share": float((size == 0).mean()),
+        rec = {"coverage_all": float(hit.mean()), "size_all": float(size.mean()),
+               "empty_share": float((size == 0).mean()),
                "per_class": {d["class_names"][c]: {"coverage": None if np.isnan(cov_c[c]) else float(cov_c[c]),
                                                    "size": None if np.isnan(size_c[c]) else float(size_c[c]),
                                                    "test_images": int((y == c).sum())} for c in range(C)},

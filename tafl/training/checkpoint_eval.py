@@ -81,6 +81,14 @@ def evaluate_checkpoint(ck: dict[str, Any], ds: Dataset,
                                cfg.ood_dicom_dir)
     if detector is not None:
         report["domain_detector"] = detector
+    from tafl.prior import Calibration
+    from tafl.training.sets import sets_report
+
+    calib = Calibration.from_dict(state.meta.get("calibration"), len(ds.class_names))
+    sets = sets_report(state, calib.probs(method.posterior_logits(out)), ds.test.labels, ranks, list(ds.class_names),
+                       ds.test.sites, list(ds.site_names or []))
+    if sets is not None:
+        report["conformal"] = sets
     if ds.test.sites is not None and ds.site_names:
         report.update(site_evaluation(method, state, out, ds))
     book = ck.get("book", {})

@@ -194,6 +194,10 @@ class RunConfig:
     # fit the in-domain detector after training (tafl.training.detector): one more round of per-class feature sums
     # and second moments; with dp_epsilon one more Gaussian release, which the accountant counts from the start
     domain_detector: bool = True
+    # fit class-conditional conformal prediction sets after training (tafl.training.sets; tafl.conformal): one more
+    # round in which each site sends a histogram per class of its held-out rows' scores (without held-out rows: the
+    # server's validation split); not yet under dp_epsilon or secure_aggregation, where none is fitted
+    conformal: bool = True
     # what the sites train: all (the whole network) | head (the classifier head only, on the fixed extractor's
     # features of their images as they are, in a whitened basis of head_basis_dim directions the server computes from
     # its unlabeled pool; the extractor stays as the server made it: its seeded initialisation, --pretrain-steps,

@@ -199,6 +199,10 @@ def _secure_train(msg, method, data):
         from tafl.training.detector import problem
 
         why = problem(res, int(method.model_cfg.num_classes), int(method.model.domain_dim))
+    elif round_cfg.get("conformal_stats") is not None:
+        from tafl.training.sets import problem as sets_problem
+
+        why = sets_problem(res, int(method.model_cfg.num_classes))
     else:
         why = _update_problem(method, payload, res)
     if why is not None:

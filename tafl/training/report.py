@@ -227,6 +227,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             lines.append(f"| {name} | {r['class_ranks'][c]} | {r['train_class_counts'][c]} | "
                          f"{r['test_class_counts'][c]} | {pct(r['per_class_accuracy'][c])} | "
                          f"{pct(m['per_class']['recall'][c])} |")
+    lines += sets_lines(r.get("conformal"))
     if r.get("privacy"):
         from tafl.privacy_text import privacy_lines
 
@@ -246,6 +247,24 @@ def render_markdown(r: dict[str, Any]) -> str:
             lines.append(f"| {h['round']} | {len(h.get('clients', []))} | {_f(h.get('loss'))} | {pct(h.get('val_acc'))} | "
                          f"{pct(h.get('val_bacc'))} | {_f(h.get('seconds'))} |")
     return "\n".join(lines) + "\n"
+
+
+def sets_lines(c: dict[str, Any] | None) -> list[str]:
+    """The conformal prediction sets (tafl.training.sets) in the markdown report: per level, coverage and mean set
+    size on the test split as it comes and at the worst of the eleven mixes, class-conditional and marginal."""
+    if not c:
+        return []
+    if not c.get("fitted"):
+        return ["", "## Prediction sets", "", f"None fitted: {c.get('why', 'unknown')}."]
+    lines = ["", "## Prediction sets", "",
+             f"Class-conditional conformal sets from {c['calibration_images']} calibration images "
+             f"({c['source']}); the marginal variant uses one threshold for every class.", "",
+             "| level | sets | coverage | mean size | lowest coverage over the eleven mixes |", "|---|---|---|---|---|"]
+    for level, entry in c.get("levels", {}).items():
+        for variant, v in entry.items():
+            lines.append(f"| {level} | {variant.replace('_', '-')} | {pct(v['coverage'])} | {v['size']:.2f} | "
+                         f"{pct(v['lowest_mix_coverage'])} |")
+    return lines
 
 
 def _f(v: float | None) -> str:

@@ -32,6 +32,7 @@ from tafl.training.config import RunConfig
 from tafl.training.contract import ClientData, GlobalState, Method
 from tafl.training.data import Dataset
 from tafl.training.detector import fit_detector
+from tafl.training.sets import fit_sets
 from tafl.training.estimator import (choose_operating_point, choose_prior_estimator,  # noqa: F401  (re-exported)
                                      select_prior_smoothing, select_prior_smoothing_sites)
 from tafl.training.longtail import ranks_from_counts, select_clients  # noqa: F401  (select_clients: re-exported)
@@ -151,12 +152,13 @@ def _initial_state(method: Method, transport: Transport, prep: Prepared,
     state = method.init_state(prep.train_counts)
     if init_from is not None:
         start_state = GlobalState.from_dict(init_from["state"])
-        # the parent's calibration, operating point, case-mix estimator and in-domain detector describe the parent's
-        # weights: the retrained model fits its own (they are carried through every round's meta otherwise, and a
-        # stale one would skip the new fit)
+        # the parent's calibration, operating point, case-mix estimator, in-domain detector and conformal sets
+        # describe the parent's weights: the retrained model fits its own (they are carried through every round's
+        # meta otherwise, and a stale one would skip the new fit)
         meta = {k: v for k, v in start_state.meta.items()
-                if k not in ("calibration", "decision", "prior_estimator", "domain_detector")}
-        extras = {k: v for k, v in start_state.extras.items() if not k.startswith("domain.")}  # refitted too
+                if k not in ("calibration", "decision", "prior_estimator", "domain_detector", "conformal")}
+        extras = {k: v for k, v in start_state.extras.items()
+                  if not k.startswith(("domain.", "conformal."))}  # refitted too
         state = GlobalState(start_state.weights, {**state.extras, **extras}, {**meta, "client_counts": {}, "round": 0})
     method.round_config(state, transport.census(), 0)
     return state
@@ -186,6 +188,8 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
         kept = choose_prior_estimator(method, kept, ds, cfg, np.asarray(common["class_ranks"]))
     if "domain_detector" not in kept.meta:
         kept = fit_detector(method, kept, transport, cfg, ds.val.images, book)
+    if "conformal" not in kept.meta:
+        kept = fit_sets(method, kept, transport, cfg, ds.val, book)
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")

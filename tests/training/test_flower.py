@@ -163,6 +163,9 @@ def test_flower_with_a_client_column_runs_one_supernode_per_site_on_its_own_rows
         assert torch.allclose(a["weights"][k].float(), b["weights"][k].float(), atol=1e-6), k
     rep = json.loads((tmp_path / "flower" / "report.json").read_text())
     assert sorted(rep["sites"]) == ["east", "north", "south"] and rep["config"]["clients"] == 3
+    # the conformal sets' round through Flower: every site's histograms, the same thresholds as in process
+    assert rep["conformal"]["fitted"] and rep["conformal"]["clients"] == [0, 1, 2]
+    assert a["meta"]["conformal"]["thresholds"] == b["meta"]["conformal"]["thresholds"]
 
     east = load_dataset(site_cfg(root, site="east"))  # what east's SuperNode decodes: east's rows only
     full = load_dataset(site_cfg(root))
@@ -190,6 +193,7 @@ def test_secure_aggregation_gtafl_runs_on_sums_only_and_matches_the_plaintext_ru
                                                                          "secure_aggregation": True}),
                                    tmp_path / "secure")
     assert secure["privacy"]["secure_aggregation"] is True and plain["privacy"]["secure_aggregation"] is False
+    assert secure["conformal"] == {"fitted": False, "why": "not yet under secure aggregation (--secure-aggregation)"}
     log = (tmp_path / "secure" / "train.log").read_text()
     sums = re.findall(r"(census|round \d): secure sum over clients \[0, 1, 2, 3\] \(\d+ entries each\), "
                       r"(\d+) entries clipped", log)

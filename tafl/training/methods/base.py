@@ -21,6 +21,7 @@ from tafl.training.config import RunConfig
 from tafl.training.contract import ClientData, ClientResult, GlobalState, Method, MethodConfig, RoundConfig, Tensors
 from tafl.training.methods.calibration import CalibrationClient
 from tafl.training.methods.detector import DomainStatsClient
+from tafl.training.methods.sets import SetsClient
 from tafl.training.methods.dp import ClientPrivacy
 from tafl.training.methods.head_basis import FeatureCache, HeadBasis
 from tafl.training.methods.recipe import LocalRecipe
@@ -36,7 +37,8 @@ class ClassifierMethod(Method):
     parts rather than inherited: `privacy` (record-level DP: plans, noise, the noisy census), `features` (the fixed
     extractor's cached features), `basis` (the server's head basis for `train_scope: head`), `recipe` (the local
     training: SGD or DP-SGD, whole model or head step), `calibration` (the client side of the calibration rounds) and
-    `domain_stats` (the client side of the in-domain detector's statistics round).
+    `domain_stats` (the client side of the in-domain detector's statistics round), `sets` (the conformal
+    sets' statistics round).
     Subclasses define `client_update` and `server_update` and override the steps they change."""
 
     name = "base"
@@ -61,6 +63,7 @@ class ClassifierMethod(Method):
         self.recipe = LocalRecipe(cfg, model_cfg, self.model, self.normalize, self.privacy, self.features)
         self.calibration = CalibrationClient(self)
         self.domain_stats = DomainStatsClient(self)
+        self.sets = SetsClient(self)
 
     # ---- state ----
     def init_state(self, train_counts: np.ndarray) -> GlobalState:

@@ -141,6 +141,8 @@ class DAFL(ClassifierMethod):
             return self.calibration.update(payload, data, round_cfg)
         if round_cfg.get("domain_stats"):  # the in-domain detector's statistics round: no local training
             return self.domain_stats.update(payload, data, round_cfg)
+        if round_cfg.get("conformal_stats") is not None:  # the conformal sets' statistics round: no training
+            return self.sets.update(payload, data, round_cfg)
         cfg = self.cfg
         self.model.load_state_dict({k: v for k, v in payload.items() if k != "dafl.gamma"})
         counts = data.class_counts()

@@ -125,6 +125,8 @@ class GTAFL(ClassifierMethod):
             return self.calibration.update(payload, data, round_cfg)
         if round_cfg.get("domain_stats"):  # the in-domain detector's statistics round: no local training
             return self.domain_stats.update(payload, data, round_cfg)
+        if round_cfg.get("conformal_stats") is not None:  # the conformal sets' statistics round: no training
+            return self.sets.update(payload, data, round_cfg)
         payload, basis = split_basis(payload)
         self.model.load_state_dict({k: v for k, v in payload.items() if not k.startswith("expert.")})
         gen = self.generator(round_cfg["round"], data.client_id)

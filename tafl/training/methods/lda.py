@@ -103,6 +103,8 @@ class LDA(ClassifierMethod):
             return self.calibration.update(payload, data, round_cfg)
         if round_cfg.get("domain_stats"):  # the in-domain detector's statistics round: no local training
             return self.domain_stats.update(payload, data, round_cfg)
+        if round_cfg.get("conformal_stats") is not None:  # the conformal sets' statistics round: no training
+            return self.sets.update(payload, data, round_cfg)
         payload, basis = split_basis(payload)
         if basis is None:
             raise ValueError("LDA needs the server's head basis in the payload (train_scope head)")

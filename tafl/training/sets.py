@@ -1,0 +1,141 @@
+"""Class-conditional conformal prediction sets, fitted after training (tafl.conformal; docs/design.md, "Prediction
+sets"): one statistics round in which every client sends, per class, a histogram of its held-out rows' scores
+(tafl.training.methods.sets); the server sums them and keeps the sum, from which any coverage level's thresholds
+follow. A run without held-out rows (`calib_holdout` 0) calibrates on the server's validation split instead.
+
+Not yet under record-level DP or secure aggregation: there the state records why no sets were fitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from tafl import conformal
+from tafl.training.config import RunConfig
+from tafl.training.contract import GlobalState, Method
+from tafl.training.methods.sets import SETS_KEY
+from tafl.training.rounds import charge
+from tafl.training.transport import Transport
+
+log = logging.getLogger(__name__)
+
+LEVELS = (0.8, 0.9, 0.95)  # the coverage levels the report states (the package keeps their thresholds)
+REPORT_LEVEL = 0.9
+
+
+def problem(r: Any, num_classes: int) -> str | None:
+    """Why a client's histograms cannot be summed, or None."""
+    t = r.extras.get(SETS_KEY)
+    shape = (num_classes, conformal.GRID)
+    if t is None or tuple(t.shape) != shape:
+        return f"{SETS_KEY} is missing or not of shape {shape}"
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        return f"{SETS_KEY} contains NaN, Inf or negative counts"
+    return None
+
+
+def not_fitted(state: GlobalState, why: str) -> GlobalState:
+    log.info("conformal sets: none fitted: %s", why)
+    return GlobalState(state.weights, state.extras, dict(state.meta, conformal={"fitted": False, "why": why}))
+
+
+def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunConfig, val: Any,
+             book: dict[str, Any]) -> GlobalState:
+    """The sets' statistics round (or the validation split's histograms) and their sum in the state: extras
+    `conformal.hist` (C, GRID), meta `conformal`."""
+    if not cfg.conformal:
+        return not_fitted(state, "turned off (--no-conformal)")
+    if cfg.dp_epsilon is not None:
+        return not_fitted(state, "not yet under differential privacy (--dp-epsilon)")
+    if cfg.secure_aggregation:
+        return not_fitted(state, "not yet under secure aggregation (--secure-aggregation)")
+    t0 = time.perf_counter()
+    C = int(method.model_cfg.num_classes)
+    calibration = state.meta.get("calibration") or {}
+    if cfg.calib_holdout > 0:
+        round_cfg = {"round": cfg.rounds + 4, "seed": cfg.seed, "conformal_stats": calibration}
+        results, cost = transport.train(list(range(transport.num_clients)), method.broadcast(state), round_cfg)
+        charge(book, cost)
+        good = []
+        for r in results:
+            why = problem(r, C)
+            if why is None:
+                good.append(r)
+            else:
+                log.warning("conformal sets: dropping client %s: %s", r.client_id, why)
+        if not good:
+            return not_fitted(state, "no client sent its histograms")
+        hist = sum(r.extras[SETS_KEY].double().numpy() for r in good)
+        source, clients = "the clients' held-out rows", sorted(int(r.client_id) for r in good)
+    else:
+        from tafl.prior import Calibration
+        from tafl.training.evaluate import predict
+
+        module = method.inference_model(state).to(method.device)
+        out = predict(module, val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
+        probs = Calibration.from_dict(calibration, C).probs(method.posterior_logits(out))
+        hist = conformal.histograms(conformal.true_class_scores(probs, val.labels), val.labels, C)
+        source, clients = "the server's validation split", []
+    counts = hist.sum(axis=1)
+    rec = {"fitted": True, "score": "1 - p (calibrated, source prior)", "grid": conformal.GRID, "source": source,
+           "clients": clients, "calibration_images": int(counts.sum()),
+           "per_class": [int(c) for c in counts],
+           "thresholds": {str(level): [float(t) for t in conformal.class_thresholds(hist, 1 - level)]
+                          for level in LEVELS},
+           "marginal_thresholds": {str(level): conformal.marginal_threshold(hist, 1 - level) for level in LEVELS},
+           "seconds": round(time.perf_counter() - t0, 2)}
+    log.info("conformal sets: %d calibration images from %s; per class %s", rec["calibration_images"], source,
+             rec["per_class"])
+    extras = {**state.extras, "conformal.hist": torch.from_numpy(hist.astype(np.float32))}
+    return GlobalState(state.weights, extras, dict(state.meta, conformal=rec))
+
+
+def sets_report(state: GlobalState, probs: np.ndarray, labels: np.ndarray, ranks: np.ndarray,
+                class_names: list[str], sites: np.ndarray | None = None,
+                site_names: list[str] | None = None) -> dict[str, Any] | None:
+    """The report's `conformal`: the fit's record and, on the test split's calibrated posteriors (`probs`, source
+    prior), per level the class-conditional sets' and the marginal variant's coverage and mean size over all test
+    images, per class, per mix of the eleven (Σ_c π(c)·coverage_c, as accuracy is weighted) and per site."""
+    from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
+
+    rec = state.meta.get("conformal")
+    if not rec or not rec.get("fitted"):
+        return dict(rec) if rec else None
+    C = len(class_names)
+    y = np.asarray(labels, np.int64)
+    out: dict[str, Any] = {k: v for k, v in rec.items() if k not in ("thresholds", "marginal_thresholds")}
+    levels: dict[str, Any] = {}
+    for level in LEVELS:
+        key = str(level)
+        entry = {}
+        for variant, thr in (("class_conditional", np.asarray(rec["thresholds"][key])),
+                             ("marginal", float(rec["marginal_thresholds"][key]))):
+            sets = conformal.prediction_sets(probs, thr)
+            hit, size = sets[np.arange(len(y)), y], sets.sum(axis=1)
+            cov_c = np.array([hit[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
+            size_c = np.array([size[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
+            present = ~np.isnan(cov_c)
+            mixes = {}
+            for name, kind, imf in DISTRIBUTIONS:
+                prior = distribution_prior(ranks, kind, imf) * present
+                prior = prior / prior.sum()
+                mixes[name] = {"coverage": float(np.nansum(prior * cov_c)), "size": float(np.nansum(prior * size_c))}
+            v: dict[str, Any] = {
+                "coverage": float(hit.mean()), "size": float(size.mean()), "empty": float((size == 0).mean()),
+                "per_class": {class_names[c]: {"coverage": None if np.isnan(cov_c[c]) else float(cov_c[c]),
+                                               "size": None if np.isnan(size_c[c]) else float(size_c[c]),
+                                               "test_images": int((y == c).sum())} for c in range(C)},
+                "mixes": mixes, "lowest_mix_coverage": min(m["coverage"] for m in mixes.values())}
+            if sites is not None and site_names:
+                s = np.asarray(sites)
+                v["sites"] = {n: {"coverage": float(hit[s == k].mean()), "size": float(size[s == k].mean()),
+                                  "images": int((s == k).sum())} for k, n in enumerate(site_names) if (s == k).any()}
+            entry[variant] = v
+        levels[key] = entry
+    out["levels"] = levels
+    return out
