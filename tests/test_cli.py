@@ -114,7 +114,11 @@ def test_kill_then_resume_and_eval(tmp_path):
             "--no-progress"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not list((out / "checkpoints").glob("round_0002.pt")):
+
+    def past_round_one() -> bool:  # any kept checkpoint after round 1 (the run keeps only its latest two)
+        return any(int(f.stem.split("_")[1]) >= 2 for f in (out / "checkpoints").glob("round_*.pt"))
+
+    while time.time() < deadline and not past_round_one():
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -162,7 +166,11 @@ def test_ctrl_c_then_the_printed_command_finishes_the_run(tmp_path, verb, gtafl_
     proc = subprocess.Popen([*TAFL, *first, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, cwd=tmp_path)
     deadline = time.time() + 240
-    while time.time() < deadline and not list((out / "checkpoints").glob("round_0002.pt")):
+
+    def past_round_one() -> bool:  # any kept checkpoint after round 1 (the run keeps only its latest two)
+        return any(int(f.stem.split("_")[1]) >= 2 for f in (out / "checkpoints").glob("round_*.pt"))
+
+    while time.time() < deadline and not past_round_one():
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the terminal's whole foreground group
     _, err = proc.communicate(timeout=120)
