@@ -163,8 +163,14 @@ def test_ctrl_c_then_the_printed_command_finishes_the_run(tmp_path, verb, gtafl_
         first = ["retrain", "--from", str(gtafl_pkg), "--lr", "0.07"]
     first += ["--rounds", "8", "--no-progress"]  # rounds of half a second: room for the signal to land mid-run
     out = tmp_path / "run"
-    proc = subprocess.Popen([*TAFL, *first, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, cwd=tmp_path)
+    # as a terminal's foreground job: SIGINT at its default (a test run as a shell's background job inherits it
+    # ignored, and so would the child, which Ctrl-C then never stops)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*TAFL, *first, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True, cwd=tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, before)
     deadline = time.time() + 240
 
     def past_round_one() -> bool:  # any kept checkpoint after round 1 (the run keeps only its latest two)
