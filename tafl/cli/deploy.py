@@ -25,13 +25,18 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
     pkg = export_checkpoint(ns.checkpoint, ns.out, name=ns.name, parent=ns.parent, images=ns.images,
                             data_root=ns.data_root, force=ns.force, to_bentoml=ns.to_bentoml,
-                            sign_key=ns.sign_key, class_codes=ns.class_codes, domain=ns.domain)
+                            sign_key=ns.sign_key, class_codes=ns.class_codes, domain=ns.domain,
+                            coverage=ns.coverage)
     v = pkg.meta.verification
     print(f"{pkg.name} {pkg.version} -> {pkg.path} (parent {pkg.meta.parent_version or 'none'}); "
           f"ONNX Runtime vs PyTorch: max |dprob| {v.max_abs_prob_diff:.1e}, max |dheatmap| "
           f"{v.max_abs_heatmap_diff:.1e}")
     print(f"input domain: {describe(pkg.meta.domain)}" + ("; a DICOM whose header contradicts it is refused"
                                                            if pkg.meta.domain else ""))
+    sets = pkg.meta.sets
+    print(f"prediction sets: {100 * sets.coverage:g}% coverage per class (also "
+          f"{', '.join(f'{v:g}' for v in sorted(sets.thresholds) if v != sets.coverage)} on request)" if sets.fitted
+          else f"prediction sets: none ({sets.why})" if sets else "prediction sets: none (a run from before them)")
     print(f"signed by key {pkg.signed_by} (SHA256SUMS.sig)" if pkg.signed_by else
           "unsigned (services with TAFL_TRUSTED_KEYS refuse it; sign with --sign-key)")
     if ns.to_bentoml:

@@ -88,6 +88,10 @@ def _package_verbs(sub) -> None:
                          "detector=off (no learned in-domain score: every image gets a label). A DICOM whose header "
                          "contradicts it is refused before the model runs (default: none, only what the training data "
                          "say, and the detector training fitted)")
+    xp.add_argument("--coverage", type=float, default=0.9, metavar="LEVEL",
+                    help="the prediction set's coverage in every answer: the true class is in the set for at least "
+                         "this share of each class's images (default 0.9; 0.8 and 0.95 are kept too, for a request's "
+                         "coverage option)")
     xp.add_argument("--sign-key", metavar="KEY", help="Ed25519 private key (`tafl keys new`) that signs the package's "
                                                       "SHA256SUMS (default $TAFL_SIGNING_KEY; unset: unsigned)")
     xp.set_defaults(func=cmd_export)
@@ -121,6 +125,9 @@ def _client_verbs(sub) -> None:
     pr.add_argument("--label-outside-domain", action="store_true",
                     help="show the label even for an image the model's in-domain detector puts outside its domain, "
                          "marked (default: off: the model abstains and says why)")
+    pr.add_argument("--coverage", metavar="LEVEL",
+                    help="the prediction set's coverage, one of the package's levels (default: the one chosen at "
+                         "export, usually 0.9)")
     pr.set_defaults(func=cmd_predict)
 
     sc = sub.add_parser("score", help="score every image in a folder, or in a PACS over DICOMweb, into a CSV or "

@@ -59,6 +59,22 @@ class DomainVerdict:
 
 
 @dataclass(frozen=True)
+class PredictionSet:
+    """The classes the model cannot rule out at `coverage` (conformal, class-conditional: the true class is in the
+    set for at least that share of each class's images like the calibration images, whatever the case mix)."""
+
+    coverage: float
+    classes: list[str]
+    labels: list[int]
+    kind: str = "class-conditional"
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> PredictionSet | None:
+        return None if not d else cls(float(d["coverage"]), list(d["classes"]), [int(x) for x in d["labels"]],
+                                      str(d.get("kind", "class-conditional")))
+
+
+@dataclass(frozen=True)
 class FrameResult:
     frame: int
     label: int | None  # None: the model abstained (the frame lies outside its domain)
@@ -68,13 +84,15 @@ class FrameResult:
     experts: list[ExpertVote]
     abstained: bool = False
     domain: DomainVerdict | None = None
+    prediction_set: PredictionSet | None = None
 
 
 @dataclass(frozen=True)
 class Prediction:
     """One image's answer. With a package that has an in-domain detector, `domain` is its verdict; an image outside
     the model's domain is `abstained` (no label, class or probability; `reason` says why) unless the request asked
-    for the label anyway (`abstain=False`: the label comes back with `domain.in_domain` False)."""
+    for the label anyway (`abstain=False`: the label comes back with `domain.in_domain` False). With a package that
+    has prediction sets, `prediction_set` holds the classes it cannot rule out (None outside the domain)."""
 
     label: int | None
     class_name: str | None
@@ -92,6 +110,7 @@ class Prediction:
     abstained: bool = False
     domain: DomainVerdict | None = None
     reason: str = ""  # why the model abstained
+    prediction_set: PredictionSet | None = None
 
     @property
     def in_domain(self) -> bool:
@@ -115,10 +134,12 @@ class Prediction:
                    heatmap=Heatmap(base64.b64decode(hm["png_base64"]), tuple(hm["shape"]), hm["kind"]) if hm else None,
                    frames=[FrameResult(f["frame"], f["label"], f["class_name"], f["probability"], f["probabilities"],
                                        votes(f.get("experts", [])), bool(f.get("abstained")),
-                                       DomainVerdict.from_json(f.get("domain"))) for f in frames] if frames else None,
+                                       DomainVerdict.from_json(f.get("domain")),
+                                       PredictionSet.from_json(f.get("prediction_set"))) for f in frames]
+                   if frames else None,
                    prior=b.get("prior"), calibrated_probabilities=b.get("calibrated_probabilities"),
                    abstained=bool(b.get("abstained")), domain=DomainVerdict.from_json(b.get("domain")),
-                   reason=b.get("reason", ""))
+                   reason=b.get("reason", ""), prediction_set=PredictionSet.from_json(b.get("prediction_set")))
 
 
 def _payload(image: str | Path | bytes) -> tuple[str, bytes]:
@@ -202,9 +223,11 @@ class _Base:
                                   f"({type(last).__name__}: {last})") from last
 
     def _form(self, image, model, heatmap, prior: str | None = None, posteriors: bool = False,
-              abstain: bool = True) -> tuple[dict, dict]:
+              abstain: bool = True, coverage: float | None = None) -> tuple[dict, dict]:
         name, data = _payload(image)
         fields = {"heatmap": "true" if heatmap else "false"}
+        if coverage is not None:
+            fields["coverage"] = f"{coverage:g}"
         if not abstain:
             fields["abstain"] = "false"
         if model:
@@ -217,11 +240,13 @@ class _Base:
 
     @staticmethod
     def _batch_form(images: list[str | Path | bytes], model: str | None, prior: str | None,
-                    posteriors: bool, abstain: bool = True) -> tuple[list, dict[str, str] | None]:
+                    posteriors: bool, abstain: bool = True,
+                    coverage: float | None = None) -> tuple[list, dict[str, str] | None]:
         files = [("file", (name, data, "application/octet-stream")) for name, data in map(_payload, images)]
         data = {k: v for k, v in (("model", model), ("prior", prior),
                                   ("posteriors", "true" if posteriors else None),
-                                  ("abstain", None if abstain else "false")) if v}
+                                  ("abstain", None if abstain else "false"),
+                                  ("coverage", None if coverage is None else f"{coverage:g}")) if v}
         return files, data or None
 
     @staticmethod
@@ -263,20 +288,23 @@ class Client(_Base):
         self._give_up(last)
 
     def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
-                prior: str | None = None, posteriors: bool = False, abstain: bool = True) -> Prediction:
+                prior: str | None = None, posteriors: bool = False, abstain: bool = True,
+                coverage: float | None = None) -> Prediction:
         """`prior`: train (default), site (the service's own site mix, from its --site-mix), adaptive (the service's
         estimate of its served case mix) or comma-separated class probabilities; the answer's `prior` says which
         one decided. `abstain=False`: the label even for an image outside the model's domain (marked, in
-        `domain`); by default such an image comes back `abstained`, with no label."""
-        files, data = self._form(image, model, heatmap, prior, posteriors, abstain)
+        `domain`); by default such an image comes back `abstained`, with no label. `coverage`: the prediction
+        set's level, one the package keeps (None: the one chosen at export)."""
+        files, data = self._form(image, model, heatmap, prior, posteriors, abstain, coverage)
         return Prediction.from_json(self._call("POST", "/predict", files=files, data=data).json())
 
     def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None, prior: str | None = None,
-                      posteriors: bool = False, abstain: bool = True) -> list[Prediction | ServiceCallError]:
+                      posteriors: bool = False, abstain: bool = True,
+                      coverage: float | None = None) -> list[Prediction | ServiceCallError]:
         """One request for several images; each comes back as a Prediction or the error for that image.
         `prior`: train (default), site, adaptive, or comma-separated class probabilities; `posteriors`: also return
-        each image's calibrated probabilities; `abstain`: as in `predict`."""
-        files, data = self._batch_form(images, model, prior, posteriors, abstain)
+        each image's calibrated probabilities; `abstain`, `coverage`: as in `predict`."""
+        files, data = self._batch_form(images, model, prior, posteriors, abstain, coverage)
         return self._batch_results(self._call("POST", "/predict/batch", files=files, data=data).json())
 
     def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:
@@ -328,16 +356,17 @@ class AsyncClient(_Base):
         self._give_up(last)
 
     async def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
-                      prior: str | None = None, posteriors: bool = False, abstain: bool = True) -> Prediction:
+                      prior: str | None = None, posteriors: bool = False, abstain: bool = True,
+                      coverage: float | None = None) -> Prediction:
         """As `Client.predict`."""
-        files, data = self._form(image, model, heatmap, prior, posteriors, abstain)
+        files, data = self._form(image, model, heatmap, prior, posteriors, abstain, coverage)
         return Prediction.from_json((await self._call("POST", "/predict", files=files, data=data)).json())
 
     async def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None,
                             prior: str | None = None, posteriors: bool = False,
-                            abstain: bool = True) -> list[Prediction | ServiceCallError]:
+                            abstain: bool = True, coverage: float | None = None) -> list[Prediction | ServiceCallError]:
         """As `Client.predict_batch`: one request, each image's Prediction or its error, in order."""
-        files, data = self._batch_form(images, model, prior, posteriors, abstain)
+        files, data = self._batch_form(images, model, prior, posteriors, abstain, coverage)
         return self._batch_results((await self._call("POST", "/predict/batch", files=files, data=data)).json())
 
     async def heatmap(self, image: str | Path | bytes, *, model: str | None = None) -> bytes:

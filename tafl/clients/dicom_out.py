@@ -153,7 +153,9 @@ class DicomWriter:
             return functools.partial(dicom_sr.encoded, dicom_sr.read_header(data),
                                      dicom_sr.Finding(None, None, [], None, dicom_sr.NOT_ASSESSED), self.algo, None)
         finding = dicom_sr.Finding(int(row.label), float(row.probability),
-                                   [(e, idx[c], None) for e, c in row.experts.items() if c in idx])
+                                   [(e, idx[c], None) for e, c in row.experts.items() if c in idx],
+                                   plausible=None if row.prediction_set is None else
+                                   [idx[c] for c in row.prediction_set if c in idx], coverage=row.set_coverage)
         rgb = None
         if self.heatmap:
             from tafl.imaging import decode_image

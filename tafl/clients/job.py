@@ -153,7 +153,7 @@ def open_results(out: Path, scorer: Any, job: JobPrior, *, resume: bool, force: 
     """The results file, with a column per expert and, for --prior adaptive, one per class's posterior."""
     return ResultsFile(out, scorer.meta.expert_names, resume=resume, force=force,
                        num_posteriors=len(scorer.meta.class_names) if job.adaptive else 0,
-                       domain=scorer.meta.domain.detector.threshold is not None)
+                       domain=scorer.meta.domain.detector.threshold is not None, sets=scorer.meta.sets.fitted)
 
 
 # ------------------------------------------------------------------ what the job wrote, and its summary

@@ -65,6 +65,8 @@ class Row:
     posteriors: list[float] | None = None  # calibrated, under the source prior (--prior adaptive)
     in_domain: bool | None = None  # the package's in-domain detector's verdict; None: the package has none
     domain_distance: float | None = None
+    prediction_set: list[str] | None = None  # the conformal set's classes; None: no set (outside the domain, or none)
+    set_coverage: float | None = None
 
     @property
     def abstained(self) -> bool:
@@ -96,7 +98,7 @@ class ResultsFile:
     """Append-only CSV or JSONL whose every line is complete (one write per row, then flush)."""
 
     def __init__(self, path: Path, expert_names: list[str], *, resume: bool, force: bool, num_posteriors: int = 0,
-                 domain: bool = False):
+                 domain: bool = False, sets: bool = False):
         self.path, self.expert_names = path, expert_names
         self.jsonl = path.suffix.lower() == ".jsonl"
         if path.suffix.lower() not in (".csv", ".jsonl"):
@@ -104,8 +106,10 @@ class ResultsFile:
         self.post_cols = [f"p{c}" for c in range(num_posteriors)]
         # domain: the package has an in-domain detector; in_domain false is a row the model abstained on (no label)
         self.domain_cols = ["in_domain", "domain_distance"] if domain else []
+        # sets: the package has conformal prediction sets; the cell lists the set's classes, separated by |
+        self.set_cols = ["prediction_set", "set_coverage"] if sets else []
         self.columns = (["path", "label", "class_name", "probability"] + [f"expert_{e}" for e in expert_names]
-                        + self.domain_cols + ["model", "model_version", "error"] + self.post_cols)
+                        + self.domain_cols + self.set_cols + ["model", "model_version", "error"] + self.post_cols)
         self.done: set[str] = set()
         self.done_counts: dict[str, int] = {}  # resume: the class names already predicted in the file
         if path.exists() and path.stat().st_size > 0:
@@ -164,6 +168,8 @@ class ResultsFile:
         rec = {"path": row.path, "label": row.label, "class_name": row.class_name, "probability": row.probability,
                **experts, **({"in_domain": row.in_domain, "domain_distance": row.domain_distance}
                              if self.domain_cols else {}),
+               **({"prediction_set": row.prediction_set if self.jsonl or row.prediction_set is None else
+                   "|".join(row.prediction_set), "set_coverage": row.set_coverage} if self.set_cols else {}),
                "model": row.model, "model_version": row.model_version, "error": row.error,
                **{c: (row.posteriors[i] if row.posteriors else None) for i, c in enumerate(self.post_cols)}}
         if self.jsonl:

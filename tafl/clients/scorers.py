@@ -17,6 +17,7 @@ from tafl.clients.results import Row
 from tafl.errors import DataError, TaflError
 from tafl.packaging.domain import in_domain_rows
 from tafl.packaging.metadata import PackageMetadata
+from tafl.packaging.sets import set_answer
 
 
 class RemoteScorer:
@@ -63,12 +64,13 @@ class RemoteScorer:
                     rows[p] = Row(rel(p), None, "", None, {}, a.model["name"], a.model["version"],
                                   in_domain=False, domain_distance=a.domain.distance if a.domain else None)
                 else:
-                    cal = a.calibrated_probabilities
+                    cal, ps = a.calibrated_probabilities, a.prediction_set
                     rows[p] = Row(rel(p), a.label, a.class_name, a.probability,
                                   {e.name: e.class_name for e in a.experts}, a.model["name"], a.model["version"],
                                   posteriors=[cal[n] for n in self.meta.class_names] if cal else None,
                                   in_domain=a.domain.in_domain if a.domain else None,
-                                  domain_distance=a.domain.distance if a.domain else None)
+                                  domain_distance=a.domain.distance if a.domain else None,
+                                  prediction_set=ps.classes if ps else None, set_coverage=ps.coverage if ps else None)
         return [rows[p] for p in paths]
 
     def score(self, paths: list[Path], rel: Callable[[Path], str]) -> Iterator[Row]:
@@ -133,9 +135,11 @@ class LocalScorer:
                     post = None
                     if "calibrated_probs" in out and self.ratio is None:
                         post = [float(v) for v in out["calibrated_probs"][i]]
+                    ps = set_answer(self.meta, out, i)
                     rows[p] = Row(rel(p), label, names[label], float(out["probs"][i, label]), ex, self.pkg.name,
                                   self.pkg.version, posteriors=post, in_domain=None if keep is None else True,
-                                  domain_distance=dist)
+                                  domain_distance=dist, prediction_set=ps["classes"] if ps else None,
+                                  set_coverage=ps["coverage"] if ps else None)
             for p in chunk:
                 yield rows[p]
 

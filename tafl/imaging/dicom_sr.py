@@ -85,6 +85,8 @@ class Finding:
     experts: list[tuple[str, int, float | None]] = field(default_factory=list)
     frame: int | None = None  # 1-based frame number of a multi-frame source; None: single frame
     not_assessed: str | None = None
+    plausible: list[int] | None = None  # the conformal prediction set's classes (None: the package has no sets)
+    coverage: float | None = None  # the set's level
 
     @classmethod
     def from_result(cls, result: dict[str, Any], class_names: list[str], frame: int | None = None) -> Finding:
@@ -93,7 +95,9 @@ class Finding:
             return cls(None, None, [], frame, str(result.get("reason") or NOT_ASSESSED))
         idx = {n: i for i, n in enumerate(class_names)}
         experts = [(e["name"], idx[e["class_name"]], e.get("probability")) for e in result.get("experts", [])]
-        return cls(int(result["label"]), float(result["probability"]), experts, frame)
+        ps = result.get("prediction_set")
+        return cls(int(result["label"]), float(result["probability"]), experts, frame, None,
+                   [int(c) for c in ps["labels"]] if ps else None, float(ps["coverage"]) if ps else None)
 
 
 def class_codes(class_names: Any, given: Any = None) -> list[dict[str, str]]:
@@ -247,6 +251,17 @@ def structured_report(source, finding: Finding, algo: Algorithm, heatmap_sc=None
             measurements.append(Measurement(name=_local(f"expert-prob:{name}"[:16], f"Expert probability: {name}"),
                                             value=float(prob), unit=CodedConcept("1", "UCUM", "no units"),
                                             algorithm_id=algo_id))
+    if finding.plausible is not None and finding.coverage is not None:  # the set: one item per class, and its level
+        level = f"{100 * finding.coverage:g}%"
+        for c in finding.plausible:
+            evaluations.append(QualitativeEvaluation(_local("set-member", f"In the {level} prediction set"),
+                                                     codes_[c]))
+        measurements.append(Measurement(name=_local("set-coverage", "Prediction set coverage, per class"),
+                                        value=float(finding.coverage), unit=CodedConcept("1", "UCUM", "no units"),
+                                        algorithm_id=algo_id))
+        measurements.append(Measurement(name=_local("set-size", "Prediction set size"),
+                                        value=float(len(finding.plausible)), unit=CodedConcept("1", "UCUM", "no units"),
+                                        algorithm_id=algo_id))
     frames = [finding.frame] if finding.frame else None
     group = MeasurementsAndQualitativeEvaluations(
         tracking_identifier=TrackingIdentifier(uid=_uid(src_uid, algo.checksum, "tracking"),

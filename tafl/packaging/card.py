@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tafl.packaging.domain import describe
-from tafl.packaging.metadata import Detector, PackageMetadata, PriorSpec
+from tafl.packaging.metadata import Detector, PackageMetadata, PriorSpec, Sets
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, site_rows, summary_markdown
 from tafl.privacy_text import privacy_lines
 
@@ -74,7 +74,7 @@ def render_card(m: PackageMetadata) -> str:
               f"{[round(v, 4) for v in pre.mean]}, std {[round(v, 4) for v in pre.std]}).", "",
               f"Input domain: {describe(m.domain)}." + (" A DICOM whose Modality, SOP class or colour contradicts it "
                                                          "is refused before the model runs." if m.domain else ""), "",
-              detector_line(m.domain.detector), "",
+              detector_line(m.domain.detector), "", sets_line(m.sets), "",
               "## Outputs", "", "| name | shape | type | meaning |", "|---|---|---|---|"]
     for o in m.outputs:
         lines.append(f"| `{o.name}` | {list(o.shape)} | {o.dtype} | {o.description} |")
@@ -150,6 +150,27 @@ def detector_line(det: Detector) -> str:
         line += " Measured at training against images it must not answer (AUROC; share the threshold lets through): "
         line += "; ".join(f"{FAR_SET_NAMES.get(k, k)} {v.get('auroc', float('nan')):.3f} "
                           f"({100 * v.get('accepted', float('nan')):.1f}%)" for k, v in det.detection.items()) + "."
+    return line
+
+
+def sets_line(sets: Sets) -> str:
+    """The conformal prediction sets in one paragraph: the coverage a user can rely on and the sets' sizes."""
+    if not sets:
+        return "Prediction sets: none (a package from before them)."
+    if not sets.fitted:
+        return f"Prediction sets: none; {sets.why}."
+    level = f"{100 * sets.coverage:g}%"
+    line = (f"Prediction sets: every answer lists the classes the model cannot rule out (`prediction_set`). For an "
+            f"image of any class like the {sets.calibration_images or '?'} calibration images, the true class is in "
+            f"the set with probability at least {level}, whatever the case mix (class-conditional conformal "
+            f"prediction; {', '.join(f'{v:g}' for v in sorted(sets.thresholds))} on request).")
+    if sets.always_in_set:
+        line += (f" Too few calibration images to bound {', '.join(sets.always_in_set)}: always in the set.")
+    t = sets.test
+    if t.get("coverage") is not None:
+        line += (f" On the test split: coverage {100 * t['coverage']:.1f}% (lowest of the eleven case mixes "
+                 f"{100 * t.get('lowest_mix_coverage', float('nan')):.1f}%), mean set size {t.get('size', 0):.2f} "
+                 f"classes, {100 * t.get('empty', 0):.1f}% empty.")
     return line
 
 

@@ -34,10 +34,12 @@ from tafl.errors import ConfigError, PackageError
 from tafl.packaging.card import render_card
 from tafl.packaging.domain import resolve as resolve_domain
 from tafl.packaging.domain import split_detector
+from tafl.packaging.export_sets import DEFAULT_COVERAGE, SetsHead, check_coverage, sets_head, sets_spec
 from tafl.packaging.metadata import (SCHEMA, AdaptiveCheck, Decision, Detector, Estimator, Expert, InputSpec,
                                      Metrics, OutputSpec, PackageMetadata, Parent, PreprocessSpec, PriorSpec, Privacy,
-                                     Provenance, Training, Verification, Vote)
+                                     Provenance, Sets, Training, Verification, Vote)
 from tafl.packaging.package import ModelPackage, bump_minor, load_package, write_checksums
+from tafl.packaging.sets import MASK, SCORES
 from tafl.imaging import Preprocess
 from tafl.training.ensemble import ExpertEnsemble, vote_weights
 from tafl.training.explain import maps_to_image, install_taps, rollout_from, vit_grid
@@ -111,6 +113,10 @@ class _PriorAdaptation(nn.Module):
         return (torch.where(shifted, adapted.argmax(dim=-1), label), torch.where(shifted[:, None], adapted, probs),
                 adapted)
 
+    def source(self, z: torch.Tensor) -> torch.Tensor:
+        """The calibrated posteriors under the source prior, whatever the request's: what the sets are made of."""
+        return torch.softmax(z * self.scale + self.bias, dim=-1)
+
 
 class _DomainDistance(nn.Module):
     """The in-domain detector (tafl.training.detector) inside the graph: the squared Mahalanobis distance of the
@@ -155,20 +161,25 @@ def _detector(model: Classifier, extras: dict[str, Any], state_meta: dict[str, A
     return _DomainDistance(extras["domain.means"], extras["domain.precision"], model.head, rec.get("energy_match"))
 
 
+def _outputs(base: tuple[str, ...], detector: Any, sets: Any) -> tuple[str, ...]:
+    """A graph instance's outputs: the class's, then the detector's distance, then the sets' scores and mask."""
+    return (*base, *(("domain_distance",) if detector is not None else ()),
+            *((SCORES, MASK) if sets is not None else ()))
+
+
 class EnsembleGraph(nn.Module):
     outputs = ("label", "probs", "expert_labels", "expert_probs", "votes", "heatmap", "calibrated_probs")
 
     def __init__(self, model: Classifier, ensemble: ExpertEnsemble, is_vit: bool, size: int,
                  calibration: dict[str, Any] | None = None, source: int | None = None,
-                 detector: _DomainDistance | None = None):
+                 detector: _DomainDistance | None = None, sets: SetsHead | None = None):
         super().__init__()
         self.feats = _Features(model, is_vit, size)
         self.ensemble = ensemble
         self.prior = _PriorAdaptation(calibration, ensemble.W.shape[1])
         self.source = source  # the expert whose posteriors are calibrated, or None: the experts' mean log-prob
-        self.detector = detector
-        if detector is not None:  # the instance's outputs: the class's, then the detector's distance
-            self.outputs = (*type(self).outputs, "domain_distance")
+        self.detector, self.sets = detector, sets
+        self.outputs = _outputs(type(self).outputs, detector, sets)
 
     def forward(self, image: torch.Tensor, log_prior_ratio: torch.Tensor | None = None):
         feats, aux = self.feats(image)
@@ -180,18 +191,20 @@ class EnsembleGraph(nn.Module):
         w = self.ensemble.W.mean(dim=0)[label]  # (B, D): the experts' mean row of the decided class
         heat = self.feats.heatmap(image, aux, w)
         outs = (label, probs, out["expert_labels"], out["expert_probs"], out["votes"], heat, calibrated)
-        return outs if self.detector is None else (*outs, self.detector(self.feats.domain, feats))
+        if self.detector is not None:
+            outs = (*outs, self.detector(self.feats.domain, feats))
+        return outs if self.sets is None else (*outs, *self.sets(self.prior.source(z)))
 
 
 class SingleHeadGraph(nn.Module):
     outputs = ("label", "probs", "logits", "heatmap", "calibrated_probs")
 
     def __init__(self, model: Classifier, is_vit: bool, size: int, calibration: dict[str, Any] | None = None,
-                 offset: np.ndarray | None = None, detector: _DomainDistance | None = None):
+                 offset: np.ndarray | None = None, detector: _DomainDistance | None = None,
+                 sets: SetsHead | None = None):
         super().__init__()
-        self.detector = detector
-        if detector is not None:
-            self.outputs = (*type(self).outputs, "domain_distance")
+        self.detector, self.sets = detector, sets
+        self.outputs = _outputs(type(self).outputs, detector, sets)
         self.feats = _Features(model, is_vit, size)
         self.head = model.head
         self.prior = _PriorAdaptation(calibration, model.head.out_features)
@@ -205,11 +218,14 @@ class SingleHeadGraph(nn.Module):
         logits = self.head(feats)
         # log-probabilities, as in training's calibration (tafl.training.methods.base.posterior_logits): one scale
         # cannot tell them from the logits, per-class scales can
-        label, probs, calibrated = self.prior(torch.log_softmax(logits, dim=1), log_prior_ratio,
-                                              (logits + self.offset).argmax(dim=1), torch.softmax(logits, dim=1))
+        z = torch.log_softmax(logits, dim=1)
+        label, probs, calibrated = self.prior(z, log_prior_ratio, (logits + self.offset).argmax(dim=1),
+                                              torch.softmax(logits, dim=1))
         heat = self.feats.heatmap(image, aux, self.head.weight[label])
         outs = (label, probs, logits, heat, calibrated)
-        return outs if self.detector is None else (*outs, self.detector(self.feats.domain, feats, logits))
+        if self.detector is not None:
+            outs = (*outs, self.detector(self.feats.domain, feats, logits))
+        return outs if self.sets is None else (*outs, *self.sets(self.prior.source(z)))
 
 
 def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
@@ -239,8 +255,10 @@ def calibration_of(ck: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, tuple[Expert, ...], Vote | None]:
-    """The export module for a checkpoint, its experts and its vote rule (none for a single head)."""
+def build_graph(ck: dict[str, Any], sets: dict[str, Any] | None = None
+                ) -> tuple[nn.Module, tuple[Expert, ...], Vote | None]:
+    """The export module for a checkpoint, its experts and its vote rule (none for a single head); `sets`: metadata
+    `sets` (tafl.packaging.export_sets.sets_spec), whose fitted sets the graph answers."""
     calibration = calibration_of(ck)
     mcfg = ModelConfig.from_dict(ck["model_config"])
     model = build_model(mcfg).eval()
@@ -257,7 +275,8 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, tuple[Expert, ...], Vote
                     "argmax of the weighted mean probability" if soft else
                     f"the {names[ens.tie_expert]} expert's class wins ties (a bonus of {ens.tie_bonus:g} on its vote)")
         graph: nn.Module = EnsembleGraph(model, ens, mcfg.is_vit, mcfg.img_size, calibration,
-                                         calibration["source_expert"], _detector(model, extras, state_meta))
+                                         calibration["source_expert"], _detector(model, extras, state_meta),
+                                         sets_head(sets))
         graph.prior_spec = calibration
         return graph.eval(), experts, vote
     from tafl.training.decision import check_record
@@ -267,7 +286,7 @@ def build_graph(ck: dict[str, Any]) -> tuple[nn.Module, tuple[Expert, ...], Vote
     except ValueError as exc:
         raise PackageError(f"the checkpoint's operating point cannot be exported: {exc}") from None
     graph = SingleHeadGraph(model, mcfg.is_vit, mcfg.img_size, calibration, offset,
-                            _detector(model, extras, state_meta))
+                            _detector(model, extras, state_meta), sets_head(sets))
     graph.prior_spec = calibration
     return graph.eval(), (), None
 
@@ -344,7 +363,12 @@ def verify(graph: nn.Module, onnx_path: Path, x: np.ndarray, names: tuple[str, .
             if not rel <= DIST_TOL:
                 raise PackageError(f"export check failed: 'domain_distance' differs by {rel:.2e} (relative) > "
                                    f"{DIST_TOL:g} ({what})")
-        for key, tol in (("probs", PROB_TOL), ("expert_probs", PROB_TOL), ("calibrated_probs", PROB_TOL),
+        if MASK in names:  # a class may flip only where its score sits on its threshold
+            t = graph.sets.thresholds.numpy()
+            flip = got[MASK] != ref[MASK]
+            if (flip & (np.abs(ref[SCORES] - t) > PROB_TOL)).any():
+                raise PackageError(f"export check failed: '{MASK}' differs between ONNX Runtime and PyTorch ({what})")
+        for key, tol in (("probs", PROB_TOL), (SCORES, PROB_TOL), ("expert_probs", PROB_TOL), ("calibrated_probs", PROB_TOL),
                          ("heatmap", HEAT_TOL)):
             if key in names:
                 diff = float(np.abs(got[key] - ref[key]).max())
@@ -420,6 +444,11 @@ def _output_spec(names: tuple[str, ...], n_experts: int, num_classes: int, size:
                             "the nearest class mean (or, where larger, the head's energy score on that scale: "
                             "metadata domain.detector.kind); above domain.detector.threshold the image lies outside "
                             "what the model was trained on"),
+        SCORES: (["batch", num_classes], "float32", "each class's conformal score 1 − p under the calibrated "
+                 "source-prior posterior (whatever the request's prior): a class is in the set at level L where its "
+                 "score is within metadata sets.levels[L]"),
+        MASK: (["batch", num_classes], "bool", "the prediction set at the export's coverage (metadata "
+               "sets.coverage): true for every class in it"),
     }
     return tuple(OutputSpec(n, tuple(desc[n][0]), desc[n][1], desc[n][2]) for n in names)
 
@@ -533,19 +562,21 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
                       parent: str | Path | None = None, images: str | None = None, data_root: str | None = None,
                       force: bool = False, to_bentoml: str | None = None,
                       sign_key: str | Path | None = None, class_codes: str | Path | None = None,
-                      domain: list[str] | tuple[str, ...] = ()) -> ModelPackage:
+                      domain: list[str] | tuple[str, ...] = (), coverage: float = DEFAULT_COVERAGE) -> ModelPackage:
     """`sign_key`: an Ed25519 private key (PEM path, `tafl keys new`) that signs SHA256SUMS; None reads
     TAFL_SIGNING_KEY (unset: the package is unsigned). `class_codes`: a JSON file mapping class names to codes
     ({"melanoma": {"value": "372244006", "scheme": "SCT", "meaning": "Malignant melanoma"}}), recorded as
     metadata `class_codes` for DICOM SRs (tafl.imaging.dicom_sr); a class without one uses the local scheme.
     `domain`: `KEY=VALUE` declarations of the input domain (tafl.packaging.domain), beside what the training data
-    say; a DICOM whose header contradicts the domain is refused before the model runs."""
+    say; a DICOM whose header contradicts the domain is refused before the model runs. `coverage`: the level of the
+    prediction set every answer carries (tafl.packaging.sets), from the run's conformal calibration."""
     from tafl.packaging.signing import TRUSTED_ENV, load_private_key
     from tafl.settings import signing_key_setting, trusted_keys_setting
     from tafl.training.checkpoint import load_checkpoint
 
     sign_key = sign_key or signing_key_setting()
     signer = load_private_key(sign_key) if sign_key else None  # a bad key fails before the minutes of export
+    coverage = check_coverage(coverage)
     ck_path = Path(checkpoint)
     ck = load_checkpoint(ck_path)
     out = Path(out)
@@ -553,7 +584,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
     keep_detector, domain = split_detector(domain)
     if not keep_detector:
         ck = _without_detector(ck)
-    graph, experts, vote = build_graph(ck)
+    sets = sets_spec(ck, ck_path, coverage)
+    graph, experts, vote = build_graph(ck, sets)
     names = graph.outputs
     mcfg = ModelConfig.from_dict(ck["model_config"])
     pre = Preprocess.from_dict(ck["preprocess"])
@@ -571,7 +603,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, name: str | No
                          _adaptive_check(ck_path))
         if class_codes is not None:
             meta = meta.with_class_codes(_class_codes(class_codes, list(meta.class_names)))
-        meta = replace(meta, domain=replace(input_domain, detector=Detector(_detector_spec(ck, ck_path))))
+        meta = replace(meta, domain=replace(input_domain, detector=Detector(_detector_spec(ck, ck_path))),
+                       sets=Sets(sets))
         _write_package(tmpd, meta, ck_path, out, signer)
     # a signed package is checked against its own key; an unsigned one without keys (it is the consumer's trust
     # list that refuses it), with a warning where this environment has one

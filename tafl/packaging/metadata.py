@@ -13,7 +13,8 @@ BentoML store read its attributes (`pkg.meta.prior.source_prior`), never the JSO
         source prior; fit, estimator (Estimator), adaptive_check (AdaptiveCheck)), heatmap
       training (Training: run (RunConfig), round, train_class_counts, class_ranks), data_provenance (Provenance),
       privacy (Privacy), metrics (Metrics: ..., sites (SiteScores, Scores)), intended_use, limitations,
-      verification (Verification), domain (InputDomain: the modalities, SOP classes and colour trained on)
+      verification (Verification), domain (InputDomain: the modalities, SOP classes and colour trained on),
+      sets (Sets: the conformal prediction sets' coverage and class thresholds)
 
 The parts are of two kinds:
 
@@ -67,6 +68,7 @@ ADDED_IN_1: dict[str, Any] = {
     "verification": None,
     "class_codes": None,  # every class in the local coding scheme (tafl.imaging.dicom_sr)
     "domain": None,  # no recorded input domain: a DICOM header decides nothing
+    "sets": None,  # no prediction sets
 }
 
 OUTPUTS = ("label", "probs", "heatmap")  # every graph
@@ -365,6 +367,82 @@ class Detector(Record):
                 for k, v in d.items() if isinstance(v, dict)}
 
 
+class Sets(Record):
+    """Conformal prediction sets (tafl.packaging.sets): fitted (or why not), the coverage the graph's
+    `prediction_set` answers (chosen at export), the class thresholds of every level a request may ask for
+    (`levels`: {"0.9": [C thresholds on 1 − p]}), the kind (class-conditional), the calibration images per class and
+    where they came from, and what the test split measured."""
+
+    @property
+    def fitted(self) -> bool:
+        return self._get("fitted") is True and self.coverage is not None
+
+    @property
+    def why(self) -> str:
+        return str(self._get("why") or "not fitted")
+
+    @property
+    def coverage(self) -> float | None:
+        c = _number(self._get("coverage"), None)
+        return c if c is not None and 0 < c < 1 else None
+
+    @property
+    def kind(self) -> str:
+        return str(self._get("kind") or "class-conditional")
+
+    @property
+    def thresholds(self) -> dict[float, tuple[float, ...]]:
+        lv = self._get("levels")
+        if not isinstance(lv, dict):
+            return {}
+        out = {}
+        for k, v in lv.items():
+            level = _number(_float(k), None)
+            if level is not None and isinstance(v, list) and all(_number(t, None) is not None for t in v):
+                out[level] = tuple(float(t) for t in v)
+        return out
+
+    @property
+    def calibration_images(self) -> int | None:
+        return _number(self._get("calibration_images"), None)
+
+    @property
+    def always_in_set(self) -> list[str]:
+        """Classes with too few calibration images for the level: in every set."""
+        return [str(c) for c in self._get("always_in_set") or []]
+
+    @property
+    def test(self) -> dict[str, Any]:
+        """What the run's test split measured at the export's level: coverage, size, lowest_mix_coverage, ..."""
+        t = self._get("test")
+        return dict(t) if isinstance(t, dict) else {}
+
+    def check(self, num_classes: int, outputs: set[str], r: Reader) -> None:
+        """A fitted record names its coverage among its levels, C thresholds in [0, 1] per level, and the graph
+        answers the set."""
+        if self._get("fitted") is not True:
+            return
+        if self.coverage is None:
+            r.problem("sets", "is fitted without a coverage between 0 and 1")
+            return
+        lv = self.thresholds
+        if self.coverage not in lv:
+            r.problem("sets", f"has no thresholds for its coverage {self.coverage:g}")
+        for level, t in lv.items():
+            if (num_classes and len(t) != num_classes) or not all(0 <= x <= 1 for x in t):  # no classes: named
+                r.problem("sets", f"level {level:g}: expected {num_classes} thresholds in [0, 1]")
+        lacking = {"conformal_scores", "prediction_set"} - outputs
+        if lacking:
+            r.problem("sets", f"is fitted, but 'outputs' lack {sorted(lacking)}")
+
+
+def _float(v: Any) -> Any:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
 def _number(v: Any, default: Any) -> Any:
     return float(v) if isinstance(v, NUMBER) and not isinstance(v, bool) else default
 
@@ -584,6 +662,7 @@ class PackageMetadata:
     verification: Verification = field(default_factory=Verification)
     class_codes: Any = None  # per class {"value", "scheme", "meaning"} for DICOM SRs (tafl.imaging.dicom_sr)
     domain: InputDomain = field(default_factory=InputDomain)  # empty: no header rule (a package from before them)
+    sets: Sets = field(default_factory=Sets)  # conformal prediction sets; empty: a package from before them
     extra: Mapping[str, Any] = field(default_factory=dict)  # keys this tafl does not know, kept as they were
 
     @property
@@ -635,6 +714,8 @@ class PackageMetadata:
         domain = InputDomain.read(r.object("domain", optional=True))
         if domain.detector.threshold is not None and "domain_distance" not in {o.name for o in outputs}:
             r.problems.append("'domain.detector' is fitted, but 'outputs' lack 'domain_distance'")
+        sets = Sets.read(r, "sets")
+        sets.check(len(names), {o.name for o in outputs}, r)
         return cls(**head, class_names=names, input=InputSpec.read(inp) if inp else None, outputs=outputs,
                    experts=experts, vote=None if vote is None else Vote.read(Reader(vote, "vote", r.problems)),
                    decision=decision, prior=PriorSpec.read(prior, len(names)) if prior else None,
@@ -644,7 +725,7 @@ class PackageMetadata:
                    intended_use=r("intended_use", (str,)), limitations=tuple(r("limitations", (list,)) or ()),
                    verification=Verification.read(r, "verification"),
                    class_codes=r("class_codes", (object,), optional=True),
-                   domain=domain,
+                   domain=domain, sets=sets,
                    extra={k: v for k, v in r.obj.items() if k not in _KNOWN})
 
     def to_json(self) -> dict[str, Any]:
@@ -664,13 +745,15 @@ class PackageMetadata:
         if self.class_codes is not None:  # only where export was given codes
             out["class_codes"] = self.class_codes
         out["domain"] = self.domain.to_json()
+        if self.sets.fields is not None:
+            out["sets"] = self.sets.to_json()
         return {**out, **self.extra}
 
 
 _KNOWN = frozenset(("schema", "name", "version", "parent_version", "parent", "created", "tafl_version", "method",
                     "backbone", "model_config", "task", "class_names", "input", "outputs", "experts", "vote",
                     "decision", "prior", "heatmap", "training", "data_provenance", "privacy", "metrics",
-                    "intended_use", "limitations", "verification", "class_codes", "domain"))
+                    "intended_use", "limitations", "verification", "class_codes", "domain", "sets"))
 
 
 def _check_outputs(outputs: tuple[OutputSpec, ...], ensemble: bool, r: Reader) -> None:

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from tafl.errors import (BadRequest, ConfigError, OutsideDomain, PayloadTooLarge, ServiceError, TaflError,
                          UnsupportedMedia)
+from tafl.packaging.sets import choose_coverage
 from tafl.serving.context import ServingState
 from tafl.serving.decoding import decode_upload
 from tafl.serving.http import JSONResponse, audit, check_auth, error_response, flag, header_value, read_body, request_id
@@ -171,6 +172,7 @@ async def predict_one(request: Request, call: Call) -> Prediction:
     want_heat = flag(options.get("heatmap", "false"), "heatmap")
     posteriors = flag(options.get("posteriors", "false"), "posteriors")
     abstain = flag(options.get("abstain", "true"), "abstain")
+    coverage = choose_coverage(model.package.meta, options.get("coverage"))
     from tafl.serving.dicom_results import wants_sr
 
     sr_source = data if wants_sr(request, options, data) else None  # format=sr: a 415 for a non-DICOM
@@ -188,7 +190,7 @@ async def predict_one(request: Request, call: Call) -> Prediction:
     out = await st.classify(model, decoded.frames, ratio)
     t2 = time.perf_counter()
     call.audit.update(kind=decoded.kind, frames=len(decoded.frames), prior=prior["used"])
-    results = [frame_result(model.package, out, i, posteriors, abstain) for i in range(len(decoded.frames))]
+    results = [frame_result(model.package, out, i, posteriors, abstain, coverage) for i in range(len(decoded.frames))]
     return Prediction(model, decoded, out, prior, posteriors, want_heat, sr_source, not_assessed, (t0, t1, t2),
                       results)
 
@@ -317,6 +319,7 @@ async def predict_batch(request: Request, call: Call) -> Response:
     ratio, prior = prior_choice(model, options)
     prior["posteriors"] = flag(options.get("posteriors", "false"), "posteriors")
     abstain = flag(options.get("abstain", "true"), "abstain")
+    coverage = choose_coverage(model.package.meta, options.get("coverage"))
     call.audit["prior"] = prior["used"]
     decoded = [_in_domain(st, model, d) for d in await decode_batch(st, files)]
     frames = [f for d in decoded if not isinstance(d, Exception) for f in d.frames]
@@ -326,7 +329,8 @@ async def predict_batch(request: Request, call: Call) -> Response:
         if isinstance(d, Exception):
             results.append({"index": i, "error": {"status": d.status, "code": type(d).__name__, "message": d.message}})
             continue
-        per = [frame_result(model.package, out, row + j, prior["posteriors"], abstain) for j in range(len(d.frames))]
+        per = [frame_result(model.package, out, row + j, prior["posteriors"], abstain, coverage)
+               for j in range(len(d.frames))]
         row += len(d.frames)
         item = {"index": i, **per[0], "input": {"kind": d.kind, "frames": len(d.frames)}}
         if len(per) > 1:

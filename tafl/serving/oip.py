@@ -12,7 +12,9 @@ resize, scale and normalise as metadata.json's input.preprocess says) and the op
 (FP32, [C] or [N, C]: log q − log source prior, the explicit prior /predict's `prior=` sets), and returns the
 graph's named outputs: label, probs, expert_labels, expert_probs, votes, calibrated_probs, domain_distance, and
 heatmap only when `outputs` names it; with a package's in-domain detector also `in_domain` (BOOL, the distance
-within the package's threshold: false means the label is no finding; the threshold is in the model's metadata). Tensors travel as JSON `data` or with the binary-data extension (`binary_data_size`,
+within the package's threshold: false means the label is no finding; the threshold is in the model's metadata); with
+a package's prediction sets also `conformal_scores` and `prediction_set` (BOOL [N, C], the set at the export's
+coverage; all false for an image outside the domain). Tensors travel as JSON `data` or with the binary-data extension (`binary_data_size`,
 `binary_data`, `binary_data_output`, the Inference-Header-Content-Length header). The rows go through the same
 batcher, case-mix window and /metrics counter as /predict's images, under the same token and request limits.
 Errors answer {"error": "..."} with a 4xx, as the protocol says.
@@ -31,6 +33,7 @@ from starlette.routing import Route
 
 from tafl.errors import BadRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from tafl.packaging.domain import in_domain_rows
+from tafl.packaging.sets import MASK
 from tafl.serving.context import of
 from tafl.serving.http import JSONResponse, audit, error_status, read_body
 from tafl.serving.routing import Call, endpoint
@@ -45,7 +48,7 @@ IN_DOMAIN = "in_domain"  # (N,) BOOL, the service's own output beside the graph'
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64", np.dtype(np.int64): "INT64",
              np.dtype(np.int32): "INT32", np.dtype(np.bool_): "BOOL", np.dtype(np.uint8): "UINT8"}
 NUMPY = {v: k for k, v in DATATYPES.items()}
-META_TYPES = {"float32": "FP32", "int64": "INT64"}
+META_TYPES = {"float32": "FP32", "int64": "INT64", "bool": "BOOL"}
 
 
 def _oip_error(exc: Exception, call: Call) -> Response:
@@ -290,6 +293,8 @@ async def infer(request: Request, call: Call) -> Response:
     keep = in_domain_rows(model.package.meta, out)
     if keep is not None:
         out = dict(out, **{IN_DOMAIN: keep})
+        if MASK in out:  # an image outside the domain has no set: its row of the mask is all false
+            out[MASK] = out[MASK] & keep[:, None]
     names = model.package.class_names
     for i, label in enumerate(out["label"]):
         if keep is None or keep[i]:

@@ -29,6 +29,14 @@ DOMAIN = {"type": "object", "required": ["in_domain", "distance", "threshold", "
                          "of its logits on that scale) against the package's threshold",
           "properties": {"in_domain": {"type": "boolean"}, "distance": {"type": "number"},
                          "threshold": {"type": "number"}, "reason": {"type": "string"}}}
+PREDICTION_SET = {
+    "type": "object", "nullable": True, "required": ["coverage", "classes", "labels", "size", "kind"],
+    "description": "the conformal prediction set (packages that have one): the classes the model cannot rule out; the "
+                   "true class is in it for at least `coverage` of each class's images like the calibration images, "
+                   "whatever the case mix. null for an image outside the model's domain",
+    "properties": {"coverage": {"type": "number"}, "classes": {"type": "array", "items": {"type": "string"}},
+                   "labels": {"type": "array", "items": {"type": "integer"}}, "size": {"type": "integer"},
+                   "kind": {"type": "string"}, "meaning": {"type": "string"}}}
 RESULT = {
     "type": "object", "required": ["abstained", "label", "class_name", "probability", "probabilities", "experts"],
     "description": "abstained true: the image lies outside the model's domain (domain.in_domain false) and there is "
@@ -41,6 +49,7 @@ RESULT = {
                    "probabilities": {**CLASS_MAP, "nullable": True}, "votes": CLASS_MAP,
                    "experts": {"type": "array", "items": EXPERT},
                    "calibrated_probabilities": CLASS_MAP, "domain": DOMAIN, "reason": {"type": "string"},
+                   "prediction_set": PREDICTION_SET,
                    "outside_domain_note": {"type": "string"}},
 }
 MODEL_REF = {"type": "object", "required": ["name", "version", "method"],
@@ -77,6 +86,8 @@ OPTIONS = {
     "posteriors": {"type": "string", "description": "true: add the calibrated probabilities under the prior"},
     "abstain": {"type": "string", "description": "true (default): an image outside the model's domain gets no "
                                                 "label; false: its label anyway, marked (never for format=sr)"},
+    "coverage": {"type": "string", "description": "the prediction set's level, one the package keeps (GET /models: "
+                                                  "metadata sets.levels; default: the one chosen at export)"},
 }
 BINARY = {"type": "string", "format": "binary"}
 FORMAT = {"type": "string", "enum": ["json", "sr"],

@@ -39,7 +39,7 @@ from starlette.routing import Route
 from tafl.imaging.heatmap import jet, overlay
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, plain_summary, site_rows, training_shares
 from tafl.packaging.summary import finite as _num
-from tafl.packaging.card import detector_line
+from tafl.packaging.card import detector_line, sets_line
 from tafl.errors import TaflError
 from tafl.privacy_text import privacy_summary
 from tafl.serving.context import STATIC_CACHE_MAX, ServingState, of
@@ -307,6 +307,7 @@ def _static_view(st: ServingState, model, index: int) -> dict[str, Any]:
                      f"model from round {_or(meta.training.round)}") if run else None,
         "privacy": privacy_summary(meta.privacy.to_json()),
         "domain_check": detector_line(meta.domain.detector).replace("`", ""),
+        "sets": sets_line(meta.sets).replace("`", ""),
         "checksums": sorted(pkg.files.items()), "model_sha256": pkg.files.get("model.onnx", "?"),
         "signature": _signature(pkg), "heatmap": meta.heatmap,
         "experts": meta.expert_names,

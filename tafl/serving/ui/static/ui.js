@@ -140,6 +140,18 @@
         dom.hidden = true;
       }
     }
+    var set = $("res-set"), ps = b.prediction_set;
+    if (ps) {  // the conformal set beside the label: the classes the model cannot rule out, in words
+      set.textContent = "Plausible classes (" + Math.round(ps.coverage * 100) + "% set): " +
+        (ps.classes.length ? ps.classes.join(", ") : "none at this level") +
+        ". The true class is in such a set for " + Math.round(ps.coverage * 100) +
+        "% of images of each class, whatever the case mix.";
+      set.hidden = false;
+    } else {
+      set.textContent = b.abstained && "prediction_set" in b ? "No prediction set: the image lies outside the " +
+        "model's domain." : "";
+      set.hidden = !set.textContent;
+    }
     $("res-model").textContent = b.model.name + " " + b.model.version;
     $("res-prior").textContent = b.prior.used + (b.prior.fallback ? " (" + b.prior.fallback + ")" : "");
     // technical facts only; the API puts no patient data in its answer, and none is rendered here
