@@ -109,7 +109,7 @@ def cmd_predict(ns: argparse.Namespace) -> int:
         for f in ns.files:
             try:
                 p = client.predict(f, model=ns.model, heatmap=heat_dir is not None, prior=ns.prior,
-                                   abstain=not ns.label_outside_domain)
+                                   abstain=not ns.label_outside_domain, coverage=_coverage(ns.coverage))
             except ServiceCallError as exc:
                 if exc.status in (0, 401):
                     fatal = exc  # the service is unreachable or refuses us: nothing else will work either
@@ -127,6 +127,15 @@ def cmd_predict(ns: argparse.Namespace) -> int:
     return outcome(len(rows) - failed, failed)
 
 
+def _coverage(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"--coverage {value!r}: expected a level such as 0.9") from None
+
+
 def _prediction_row(f: str, p, heat_dir: Path | None) -> dict[str, Any]:
     row = {"file": f, "label": p.label, "class_name": p.class_name, "probability": p.probability,
            "experts": {e.name: e.class_name for e in p.experts}, "model": p.model,
@@ -134,6 +143,8 @@ def _prediction_row(f: str, p, heat_dir: Path | None) -> dict[str, Any]:
     if p.domain is not None:
         row["domain"] = {"in_domain": p.domain.in_domain, "distance": p.domain.distance,
                          "threshold": p.domain.threshold, "reason": p.domain.reason}
+    if p.prediction_set is not None:
+        row["prediction_set"] = {"coverage": p.prediction_set.coverage, "classes": p.prediction_set.classes}
     if p.abstained:
         row["reason"] = p.reason
     if p.frames:
@@ -169,6 +180,9 @@ def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
               (f" heatmap {r['heatmap']}" if "heatmap" in r else "") +
               ("  OUTSIDE THE MODEL'S DOMAIN: not a finding" if not r.get("domain", {}).get("in_domain", True)
                else ""))
+        if r.get("prediction_set"):
+            ps = r["prediction_set"]
+            print(f"    plausible ({100 * ps['coverage']:g}% set): {', '.join(ps['classes']) or 'none at this level'}")
         for fr in r.get("frames", [])[1:]:
             print(f"    frame {fr['frame']}: " + ("no finding (outside the model's domain)" if fr["abstained"] else
                                                   f"{fr['class_name']} (p={fr['probability']:.3f})"))

@@ -411,6 +411,10 @@ def test_browser_page_and_png_upload(page, server, gtafl_pkg, tmp_path):
     _check_result(got, want)
     assert [e[0] for e in got["experts"]] == ["forward", "uniform", "backward"]
     assert got["input"].startswith("png, 64×64")
+    ps = want["prediction_set"]  # the set, in words, beside the label
+    shown = page.find_element(By.ID, "res-set")
+    assert shown.is_displayed() and f"({round(100 * ps['coverage'])}% set)" in shown.text
+    assert shown.text.split(": ", 1)[1].split(".")[0] == (", ".join(ps["classes"]) or "none at this level")
     # the heatmap's colour legend is shown with it, drawn from the colour map the overlay uses
     import numpy as np
 
