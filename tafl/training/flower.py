@@ -36,7 +36,7 @@ from tafl.training.config import RunConfig
 from tafl.training.longtail import holdout_split
 from tafl.training.contract import ClientData, ClientResult, Tensors, tensor_bytes
 from tafl.training.secagg import (LAYOUT_RECORD, SUM_ID, SecAggParams, SecureBounds, SecureSumError,
-                                  calibration_layout, census_layout, domain_layout,
+                                  calibration_layout, census_layout, domain_layout, sets_layout,
                                   client_arrays, combine, is_secure, layout_from_json, round_layout, route_secagg,
                                   secure_reply, secure_sum)
 from tafl.training.transport import Transport
@@ -470,6 +470,10 @@ class FlowerTransport(Transport):
         if round_cfg.get("calibrate"):  # a calibration round: the held-out rows' NLL sums
             return calibration_layout(str(round_cfg["calibrate"]), self.num_classes, max(self.n_of[k] for k in ids),
                                       self.bounds, round_cfg.get("scale", 1.0), round_cfg.get("bias"))
+        if round_cfg.get("conformal_stats") is not None:  # the sets' score histograms: whole counts
+            from tafl.conformal import GRID
+
+            return sets_layout(self.num_classes, max(self.n_of[k] for k in ids), GRID)
         if round_cfg.get("domain_stats"):  # the in-domain detector's sums, features clipped to a public norm
             n_max = max(self.n_of[k] for k in ids)
             noise = count_slack = 0.0

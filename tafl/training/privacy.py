@@ -51,7 +51,8 @@ ACCOUNTANT = ("RDP (dp_accounting.rdp.RdpAccountant, add-or-remove-one-record), 
               "DP-SGD step of every round and every statistics release of the run")
 NOT_PROTECTED = ["the number of sites and each site's number of training images (DP-SGD's sampling rate reads it, "
                  "as in Opacus)",
-                 "the validation split the coordinator holds for model selection, the operating point and, when the "
+                 "the validation split the coordinator holds for model selection, the operating point, the prediction "
+                 "sets' calibration and, when the "
                  "sites train the head only, the extractor's pre-training and the head's basis",
                  "what the final model's outputs reveal beyond the (ε, δ) bound of its training"]
 SCOPES = {"none": "nothing: the sites train no weights; each releases its class feature sums once (method lda)",

@@ -434,6 +434,16 @@ def domain_layout(num_classes: int, dim: int, n_max: int, clip: float, noise: fl
             "dom_counts": ((int(num_classes),), n_max + float(count_slack))}
 
 
+SETS_KEY = "conf_hist"  # the conformal sets' round (tafl.training.sets; tafl.training.methods.sets)
+
+
+def sets_layout(num_classes: int, n_max: int, bins: int) -> dict[str, tuple[tuple[int, ...], float]]:
+    """The conformal sets' round: per class, the counts of a site's held-out rows' scores on the fixed grid (an
+    entry ≤ its held-out rows ≤ n_max); summed exactly (the quantisation error stays far below one count)."""
+    n_max = max(1, int(n_max))
+    return {"num_samples": ((1,), float(n_max)), SETS_KEY: ((int(num_classes), int(bins)), float(n_max))}
+
+
 def min_in_sum(num_clients: int, params: SecAggParams) -> int:
     """The fewest clients a completed SecAgg+ sum over `num_clients` can hold: Flower's reconstruction threshold
     (SecAggPlusWorkflow.setup_stage's rule; every stage stops the sum when a client keeps fewer live neighbours)."""
@@ -471,6 +481,10 @@ def client_arrays(res, payload: Mapping[str, Any], layout: Layout) -> tuple[dict
     def np64(t) -> np.ndarray:
         return np.asarray(t.detach().cpu().double().numpy() if hasattr(t, "detach") else t, dtype=np.float64)
 
+    if SETS_KEY in layout:  # the conformal sets' round: the per-class score histograms, no weights
+        if set(res.extras) != {SETS_KEY} or res.weights:
+            raise ValueError("the conformal sets' round must hold exactly the score histograms")
+        return {"num_samples": np.array([n]), SETS_KEY: np64(res.extras[SETS_KEY])}, {}
     if "dom_outer" in layout:  # the in-domain detector's round: its three sums, no weights
         if set(res.extras) != set(DOMAIN_KEYS) or res.weights:
             raise ValueError("the in-domain detector's round must hold exactly its feature sums and counts")
@@ -556,6 +570,10 @@ def combine(sums: Mapping[str, np.ndarray], layout: Layout, payload: Mapping[str
                   "calib_counts": counts, "calib_n": np.array([n_held])}
         return ClientResult(int(client_id), int(n_held), {}, {k: torch.from_numpy(np.asarray(v, np.float64))
                                                                for k, v in extras.items()}, {"calibration": 1.0})
+    if SETS_KEY in layout:  # the sets' round: the federation's histograms as whole counts, as one site's
+        hist = np.maximum(np.rint(sums[SETS_KEY]), 0.0)
+        return ClientResult(int(client_id), int(hist.sum()), {}, {SETS_KEY: torch.from_numpy(hist)},
+                            {"conformal_stats": 1.0})
     n_tot = int(np.rint(float(sums["num_samples"][0])))
     if n_tot <= 0:
         raise SecureSumError(f"the secure sum reports {n_tot} samples")

@@ -3,7 +3,11 @@ sets"): one statistics round in which every client sends, per class, a histogram
 (tafl.training.methods.sets); the server sums them and keeps the sum, from which any coverage level's thresholds
 follow. A run without held-out rows (`calib_holdout` 0) calibrates on the server's validation split instead.
 
-Not yet under record-level DP or secure aggregation: there the state records why no sets were fitted.
+With secure aggregation the histograms are one SecAgg+ sum over every site (tafl.training.secagg.sets_layout): whole
+counts, so the thresholds are those of the plaintext sum. Under record-level DP (`--dp-epsilon`) the sets are
+calibrated on the server's validation split, the coordinator's own images, which the DP statement does not cover and
+which costs no budget: a noisy release of the sites' histograms leaves every class of a DermaMNIST-sized federation
+too uncertain to bound at ε = 8 (docs/design.md, "Prediction sets"), so its sets would hold every class.
 """
 
 from __future__ import annotations
@@ -50,14 +54,11 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
     `conformal.hist` (C, GRID), meta `conformal`."""
     if not cfg.conformal:
         return not_fitted(state, "turned off (--no-conformal)")
-    if cfg.dp_epsilon is not None:
-        return not_fitted(state, "not yet under differential privacy (--dp-epsilon)")
-    if cfg.secure_aggregation:
-        return not_fitted(state, "not yet under secure aggregation (--secure-aggregation)")
     t0 = time.perf_counter()
     C = int(method.model_cfg.num_classes)
     calibration = state.meta.get("calibration") or {}
-    if cfg.calib_holdout > 0:
+    private = cfg.dp_epsilon is not None  # the sites' rows would need noise: the server's own split instead
+    if cfg.calib_holdout > 0 and not private:
         round_cfg = {"round": cfg.rounds + 4, "seed": cfg.seed, "conformal_stats": calibration}
         results, cost = transport.train(list(range(transport.num_clients)), method.broadcast(state), round_cfg)
         charge(book, cost)
@@ -71,7 +72,9 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
         if not good:
             return not_fitted(state, "no client sent its histograms")
         hist = sum(r.extras[SETS_KEY].double().numpy() for r in good)
-        source, clients = "the clients' held-out rows", sorted(int(r.client_id) for r in good)
+        # a secure sum is one combined result: the transport lists the clients in it
+        clients = sorted(int(c) for c in (cost.get("answered") or [r.client_id for r in good]))
+        source = "the clients' held-out rows" + (", one SecAgg+ sum" if cfg.secure_aggregation else "")
     else:
         from tafl.prior import Calibration
         from tafl.training.evaluate import predict
@@ -80,7 +83,8 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
         out = predict(module, val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
         probs = Calibration.from_dict(calibration, C).probs(method.posterior_logits(out))
         hist = conformal.histograms(conformal.true_class_scores(probs, val.labels), val.labels, C)
-        source, clients = "the server's validation split", []
+        source, clients = "the server's validation split" + (
+            " (under DP: the coordinator's own images, no budget spent)" if private else ""), []
     counts = hist.sum(axis=1)
     rec = {"fitted": True, "score": "1 - p (calibrated, source prior)", "grid": conformal.GRID, "source": source,
            "clients": clients, "calibration_images": int(counts.sum()),

@@ -193,7 +193,8 @@ def test_secure_aggregation_gtafl_runs_on_sums_only_and_matches_the_plaintext_ru
                                                                          "secure_aggregation": True}),
                                    tmp_path / "secure")
     assert secure["privacy"]["secure_aggregation"] is True and plain["privacy"]["secure_aggregation"] is False
-    assert secure["conformal"] == {"fitted": False, "why": "not yet under secure aggregation (--secure-aggregation)"}
+    # no held-out rows: the sets come from the server's validation split, as in process
+    assert secure["conformal"]["fitted"] and secure["conformal"]["source"] == "the server's validation split"
     log = (tmp_path / "secure" / "train.log").read_text()
     sums = re.findall(r"(census|round \d): secure sum over clients \[0, 1, 2, 3\] \(\d+ entries each\), "
                       r"(\d+) entries clipped", log)
@@ -248,6 +249,19 @@ def test_secure_aggregation_with_federated_calibration_fits_on_sums_only(tmp_pat
     assert b["fit"]["images"] == a["fit"]["images"] > 0 and b["fit"]["clients"] == [0, 1, 2, 3]
     assert b["fit"]["nll_after"] < b["fit"]["nll_before"]
     assert b["fit"]["nll_after"] == pytest.approx(a["fit"]["nll_after"], abs=0.05)  # round 1 differs by ~1e-7
+    # the conformal sets' histograms: one SecAgg+ sum (round rounds + 4) of whole counts over the four sites, the
+    # same calibration images as in process and thresholds within a bin of theirs (the models differ by ~1e-7)
+    sets_sums = re.findall(r"round 5: secure sum over clients \[0, 1, 2, 3\] \(\d+ entries each\), (\d+) entries "
+                           r"clipped", log)
+    assert sets_sums == ["0"], log[-3000:]
+    sa, sp = secure["conformal"], plain["conformal"]
+    assert sa["fitted"] and sa["source"] == "the clients' held-out rows, one SecAgg+ sum"
+    assert sa["clients"] == [0, 1, 2, 3]
+    assert sa["calibration_images"] == sp["calibration_images"] > 0 and sa["per_class"] == sp["per_class"]
+    ta = _state(tmp_path / "secure" / "final.pt")["meta"]["conformal"]["thresholds"]
+    tp = _state(tmp_path / "plain" / "final.pt")["meta"]["conformal"]["thresholds"]
+    for level in ta:
+        assert max(abs(x - y) for x, y in zip(ta[level], tp[level])) <= 2.0 / 2000
 
 
 def test_lda_under_secure_aggregation_fits_the_plaintext_head_and_splits_dp_noise_over_the_sum(tmp_path, monkeypatch):

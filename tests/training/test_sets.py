@@ -73,7 +73,7 @@ def test_the_report_measures_coverage_and_size_per_level_mix_and_class(calibrate
     assert cc["lowest_mix_coverage"] >= marginal["lowest_mix_coverage"] - 1e-9
 
 
-def test_without_held_out_rows_the_validation_split_calibrates_and_private_runs_fit_none(tmp_path):
+def test_without_held_out_rows_the_validation_split_calibrates(tmp_path):
     from tafl.training.config import load_config
     from tafl.training.simulator import train
     from tests.conftest import CONFIGS
@@ -86,7 +86,7 @@ def test_without_held_out_rows_the_validation_split_calibrates_and_private_runs_
     assert off["conformal"] == {"fitted": False, "why": "turned off (--no-conformal)"}
 
 
-def test_a_retrain_fits_its_own_sets_and_a_private_one_keeps_none_of_the_parents(calibrated_run, tmp_path):
+def test_a_retrain_fits_its_own_sets_and_a_private_one_calibrates_on_validation(calibrated_run, tmp_path):
     from tafl.training.checkpoint import load_checkpoint
     from tafl.training.config import load_config
     from tafl.training.simulator import train
@@ -103,5 +103,8 @@ def test_a_retrain_fits_its_own_sets_and_a_private_one_keeps_none_of_the_parents
                  progress=False)
     private = train(load_config(CONFIGS / "smoke.yaml", {"rounds": 1, "dp_epsilon": 8.0, "dp_delta": 1e-3}),
                     tmp_path / "dp", progress=False, init_from=load_checkpoint(tmp_path / "h" / "final.pt"))
-    assert head["conformal"]["fitted"] and not private["conformal"]["fitted"]
-    assert "conformal.hist" not in load_checkpoint(tmp_path / "dp" / "final.pt")["state"]["extras"]
+    # under DP the sets come from the coordinator's own validation split (no site's rows, no budget), fitted anew
+    assert head["conformal"]["fitted"] and private["conformal"]["fitted"]
+    assert private["conformal"]["source"] == ("the server's validation split (under DP: the coordinator's own images, "
+                                              "no budget spent)") and private["conformal"]["clients"] == []
+

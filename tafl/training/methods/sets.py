@@ -12,8 +12,7 @@ import numpy as np
 import torch
 
 from tafl.training.contract import ClientData, ClientResult, RoundConfig, Tensors
-
-SETS_KEY = "conf_hist"
+from tafl.training.secagg import SETS_KEY  # the secure sum's layout names the same key
 
 
 class SetsClient:
