@@ -72,6 +72,8 @@ def calibrated(run: Path) -> dict:
     client = np.concatenate([np.full(len(r), k) for k, r in enumerate(rows)])
     idx = np.concatenate(rows)
     return {"cal_probs": probs(prep.train.images[idx]), "cal_labels": prep.train.labels[idx], "cal_client": client,
+            "cal_site": None if prep.train.sites is None else np.asarray(prep.train.sites)[idx],
+            "val_probs": probs(ds.val.images), "val_labels": ds.val.labels,
             "test_probs": probs(ds.test.images), "test_labels": ds.test.labels,
             "test_sites": None if ds.test.sites is None else np.asarray(ds.test.sites),
             "site_names": list(ds.site_names or []), "class_names": list(ds.class_names),

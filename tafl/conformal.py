@@ -72,6 +72,20 @@ def histogram_threshold(hist: np.ndarray, alpha: float) -> float:
     return min((b + 1) / len(h), ALWAYS)
 
 
+def noisy_threshold(hist: np.ndarray, alpha: float, sigma: float, margin: float = 2.0) -> float:
+    """The threshold from a histogram (bins,) released with Gaussian noise of standard deviation `sigma` per bin,
+    chosen so that it is at least the noiseless one unless a noise draw exceeds `margin` standard deviations: the
+    upper edge of the first bin b whose noisy cumulative count, less margin·σ·√(b + 1), reaches (1 − α)(ñ + 1) with ñ
+    the noisy total plus margin·σ·√bins; ALWAYS where no bin does."""
+    h = np.asarray(hist, np.float64)
+    bins = len(h)
+    cum = np.cumsum(h)
+    n_hi = cum[-1] + margin * sigma * np.sqrt(bins)
+    low = cum - margin * sigma * np.sqrt(np.arange(1, bins + 1))
+    ok = np.flatnonzero(low >= (1 - alpha) * (n_hi + 1))
+    return ALWAYS if sigma < 0 or not len(ok) else min((int(ok[0]) + 1) / bins, ALWAYS)
+
+
 def class_thresholds(hists: np.ndarray, alpha: float) -> np.ndarray:
     """(C,) one threshold per class from the (summed) per-class histograms (C, bins)."""
     return np.array([histogram_threshold(h, alpha) for h in np.asarray(hists)], np.float64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tafl import conformal
 from tafl.conformal import (ALWAYS, GRID, class_thresholds, coverage, exact_thresholds, histogram_threshold,
                             histograms, marginal_threshold, prediction_sets, rank, true_class_scores)
 
@@ -116,3 +117,20 @@ def test_too_few_images_or_noisy_counts_give_a_valid_threshold():
     assert histogram_threshold(clean, ALPHA) <= 0.5  # the clean one lies within the scores' range
     sets = prediction_sets(np.array([[0.95, 0.05], [0.5, 0.5]]), np.array([0.2, ALWAYS]))
     assert sets.tolist() == [[True, True], [False, True]]
+
+
+def test_a_noisy_histogram_gives_a_threshold_no_lower_than_the_noiseless_one_but_rarely():
+    """tafl.conformal.noisy_threshold: without noise it is histogram_threshold; with Gaussian noise on every bin it
+    stays at or above the noiseless threshold in nearly every draw (it fails only where a draw passes its margin),
+    and it grows with the noise until the class is in every set."""
+    rng = np.random.default_rng(3)
+    scores = rng.beta(2, 5, 400)
+    for bins in (20, 200):
+        h = conformal.histograms(scores, np.zeros(400, np.int64), 1, bins)[0]
+        exact = conformal.histogram_threshold(h, 0.1)
+        assert conformal.noisy_threshold(h, 0.1, 0.0) == exact
+        draws = [conformal.noisy_threshold(h + rng.normal(0, 1.0, bins), 0.1, 1.0) for _ in range(500)]
+        assert np.mean(np.array(draws) >= exact) >= 0.97
+        assert np.median([conformal.noisy_threshold(h + rng.normal(0, 8.0, bins), 0.1, 8.0)
+                          for _ in range(50)]) >= np.median(draws)
+    assert conformal.noisy_threshold(np.full(20, 0.5), 0.1, 5.0) == conformal.ALWAYS  # 10 images, σ 5: unbounded
