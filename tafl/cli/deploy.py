@@ -83,6 +83,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         set_env("TAFL_PACKAGE_ROOT", str(Path(ns.package_root).resolve()))
     if ns.site_mix:  # a JSON file travels as its absolute path: the server's working folder may differ
         set_env("TAFL_SITE_MIX", str(Path(ns.site_mix).resolve()) if Path(ns.site_mix).is_file() else ns.site_mix)
+    if ns.site:
+        set_env("TAFL_SITE", ns.site)
     if ns.workers is not None:  # checked with the other TAFL_* settings by serve's preflight
         set_env("TAFL_WORKERS", str(ns.workers))
     drain = ns.drain_seconds if ns.drain_seconds is not None else drain_seconds_from_env()
@@ -109,7 +111,8 @@ def cmd_predict(ns: argparse.Namespace) -> int:
         for f in ns.files:
             try:
                 p = client.predict(f, model=ns.model, heatmap=heat_dir is not None, prior=ns.prior,
-                                   abstain=not ns.label_outside_domain, coverage=_coverage(ns.coverage))
+                                   abstain=not ns.label_outside_domain, coverage=_coverage(ns.coverage),
+                                   site=ns.site)
             except ServiceCallError as exc:
                 if exc.status in (0, 401):
                     fatal = exc  # the service is unreachable or refuses us: nothing else will work either
@@ -144,7 +147,8 @@ def _prediction_row(f: str, p, heat_dir: Path | None) -> dict[str, Any]:
         row["domain"] = {"in_domain": p.domain.in_domain, "distance": p.domain.distance,
                          "threshold": p.domain.threshold, "reason": p.domain.reason}
     if p.prediction_set is not None:
-        row["prediction_set"] = {"coverage": p.prediction_set.coverage, "classes": p.prediction_set.classes}
+        row["prediction_set"] = {"coverage": p.prediction_set.coverage, "classes": p.prediction_set.classes,
+                                 "calibrated_for": p.prediction_set.calibrated_for}
     if p.abstained:
         row["reason"] = p.reason
     if p.frames:
@@ -182,7 +186,9 @@ def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
                else ""))
         if r.get("prediction_set"):
             ps = r["prediction_set"]
-            print(f"    plausible ({100 * ps['coverage']:g}% set): {', '.join(ps['classes']) or 'none at this level'}")
+            where = "" if ps["calibrated_for"] == "the federation" else f", calibrated at {ps['calibrated_for']}"
+            print(f"    plausible ({100 * ps['coverage']:g}% set{where}): "
+                  f"{', '.join(ps['classes']) or 'none at this level'}")
         for fr in r.get("frames", [])[1:]:
             print(f"    frame {fr['frame']}: " + ("no finding (outside the model's domain)" if fr["abstained"] else
                                                   f"{fr['class_name']} (p={fr['probability']:.3f})"))

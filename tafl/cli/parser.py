@@ -125,6 +125,8 @@ def _client_verbs(sub) -> None:
     pr.add_argument("--label-outside-domain", action="store_true",
                     help="show the label even for an image the model's in-domain detector puts outside its domain, "
                          "marked (default: off: the model abstains and says why)")
+    pr.add_argument("--site", metavar="NAME", help="a training site whose own thresholds make the prediction set "
+                                                   "(default: the service's)")
     pr.add_argument("--coverage", metavar="LEVEL",
                     help="the prediction set's coverage, one of the package's levels (default: the one chosen at "
                          "export, usually 0.9)")
@@ -212,6 +214,8 @@ def _service_verbs(sub) -> None:
     sv.add_argument("--site-mix", metavar="MIX", help="this site's own class counts, CLASS=COUNT,... or a JSON "
                     "file: prior=site decides for this mix, and where the model's case-mix estimator is centred on "
                     "the site's mix, prior=adaptive starts from it (default $TAFL_SITE_MIX; docs/guide.md)")
+    sv.add_argument("--site", metavar="NAME", help="the training site this service answers for: its prediction sets "
+                    "use that site's own thresholds (default $TAFL_SITE; unset: the federation's)")
     sv.add_argument("--workers", type=int, metavar="N",
                     help="worker processes, each with every package and its own event loop (default: $TAFL_WORKERS, "
                          "else chosen at start from the packages' measured cost: 2 where every model is cheap (a "

@@ -67,11 +67,13 @@ class PredictionSet:
     classes: list[str]
     labels: list[int]
     kind: str = "class-conditional"
+    calibrated_for: str = "the federation"  # or the training site whose own thresholds made it
 
     @classmethod
     def from_json(cls, d: dict[str, Any] | None) -> PredictionSet | None:
         return None if not d else cls(float(d["coverage"]), list(d["classes"]), [int(x) for x in d["labels"]],
-                                      str(d.get("kind", "class-conditional")))
+                                      str(d.get("kind", "class-conditional")),
+                                      str(d.get("calibrated_for", "the federation")))
 
 
 @dataclass(frozen=True)
@@ -223,9 +225,11 @@ class _Base:
                                   f"({type(last).__name__}: {last})") from last
 
     def _form(self, image, model, heatmap, prior: str | None = None, posteriors: bool = False,
-              abstain: bool = True, coverage: float | None = None) -> tuple[dict, dict]:
+              abstain: bool = True, coverage: float | None = None, site: str | None = None) -> tuple[dict, dict]:
         name, data = _payload(image)
         fields = {"heatmap": "true" if heatmap else "false"}
+        if site:
+            fields["site"] = site
         if coverage is not None:
             fields["coverage"] = f"{coverage:g}"
         if not abstain:
@@ -289,13 +293,14 @@ class Client(_Base):
 
     def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
                 prior: str | None = None, posteriors: bool = False, abstain: bool = True,
-                coverage: float | None = None) -> Prediction:
+                coverage: float | None = None, site: str | None = None) -> Prediction:
         """`prior`: train (default), site (the service's own site mix, from its --site-mix), adaptive (the service's
         estimate of its served case mix) or comma-separated class probabilities; the answer's `prior` says which
         one decided. `abstain=False`: the label even for an image outside the model's domain (marked, in
         `domain`); by default such an image comes back `abstained`, with no label. `coverage`: the prediction
-        set's level, one the package keeps (None: the one chosen at export)."""
-        files, data = self._form(image, model, heatmap, prior, posteriors, abstain, coverage)
+        set's level, one the package keeps (None: the one chosen at export); `site`: a training site whose own
+        thresholds make the set (None: the service's TAFL_SITE, else the federation's)."""
+        files, data = self._form(image, model, heatmap, prior, posteriors, abstain, coverage, site)
         return Prediction.from_json(self._call("POST", "/predict", files=files, data=data).json())
 
     def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None, prior: str | None = None,
@@ -357,9 +362,9 @@ class AsyncClient(_Base):
 
     async def predict(self, image: str | Path | bytes, *, model: str | None = None, heatmap: bool = False,
                       prior: str | None = None, posteriors: bool = False, abstain: bool = True,
-                      coverage: float | None = None) -> Prediction:
+                      coverage: float | None = None, site: str | None = None) -> Prediction:
         """As `Client.predict`."""
-        files, data = self._form(image, model, heatmap, prior, posteriors, abstain, coverage)
+        files, data = self._form(image, model, heatmap, prior, posteriors, abstain, coverage, site)
         return Prediction.from_json((await self._call("POST", "/predict", files=files, data=data)).json())
 
     async def predict_batch(self, images: list[str | Path | bytes], *, model: str | None = None,

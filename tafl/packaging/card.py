@@ -171,6 +171,13 @@ def sets_line(sets: Sets) -> str:
         line += (f" On the test split: coverage {100 * t['coverage']:.1f}% (lowest of the eleven case mixes "
                  f"{100 * t.get('lowest_mix_coverage', float('nan')):.1f}%), mean set size {t.get('size', 0):.2f} "
                  f"classes, {100 * t.get('empty', 0):.1f}% empty.")
+    if sets.sites:
+        line += (f" Each training site has thresholds of its own ({', '.join(sorted(sets.sites))}; `tafl serve "
+                 "--site NAME`): they cover that site's images where the federation's need not")
+        own = t.get("site_aware") or {}
+        line += (" (each site's test images: " + ", ".join(
+            f"{n} {100 * v:.1f}% with its own, {100 * (t.get('sites') or {}).get(n, float('nan')):.1f}% with the "
+            "federation's" for n, v in own.items()) + ")." if own else ".")
     return line
 
 

@@ -59,6 +59,12 @@ def sets_spec(ck: dict[str, Any], ck_path: Path, coverage: float) -> dict[str, A
            "calibration_images": rec.get("calibration_images"), "per_class": rec.get("per_class"),
            "source": rec.get("source"),
            "always_in_set": [names[c] for c in np.flatnonzero(thr[coverage] >= conformal.ALWAYS)]}
+    if "conformal.site_hist" in extras and rec.get("sites"):  # each site's own thresholds, for a service at that site
+        site_hist = extras["conformal.site_hist"].double().numpy()
+        out["sites"] = {name: {"calibration_images": int(site_hist[k].sum()),
+                               "levels": {f"{level:g}": [float(t) for t in conformal.class_thresholds(
+                                   site_hist[k], 1 - level)] for level in levels}}
+                        for k, name in enumerate(rec["sites"])}
     rep = ck_path.parent / "report.json"
     measured = ((json.loads(rep.read_text()).get("conformal") or {}).get("levels") or {}) if rep.is_file() else {}
     m = measured.get(str(coverage), {})
@@ -69,7 +75,9 @@ def sets_spec(ck: dict[str, Any], ck_path: Path, coverage: float) -> dict[str, A
                        "uniform_size": (cc.get("mixes") or {}).get("uniform", {}).get("size"),
                        "per_class": {k: v["coverage"] for k, v in cc["per_class"].items()},
                        **({"sites": {k: v["coverage"] for k, v in cc["sites"].items()}} if cc.get("sites") else {}),
-                       **({"marginal_lowest_mix_coverage": marginal["lowest_mix_coverage"]} if marginal else {})}
+                       **({"marginal_lowest_mix_coverage": marginal["lowest_mix_coverage"]} if marginal else {}),
+                       **({"site_aware": {k: v["coverage"] for k, v in m["site_aware"]["sites"].items()}}
+                          if m.get("site_aware") else {})}
     return out
 
 

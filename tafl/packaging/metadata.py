@@ -403,6 +403,14 @@ class Sets(Record):
         return out
 
     @property
+    def sites(self) -> dict[str, dict[float, tuple[float, ...]]]:
+        """Each training site's own class thresholds per level (a service at that site answers with them)."""
+        raw = self._get("sites")
+        if not isinstance(raw, dict):
+            return {}
+        return {str(n): Sets({"levels": v.get("levels")}).thresholds for n, v in raw.items() if isinstance(v, dict)}
+
+    @property
     def calibration_images(self) -> int | None:
         return _number(self._get("calibration_images"), None)
 
@@ -431,6 +439,9 @@ class Sets(Record):
         for level, t in lv.items():
             if (num_classes and len(t) != num_classes) or not all(0 <= x <= 1 for x in t):  # no classes: named
                 r.problem("sets", f"level {level:g}: expected {num_classes} thresholds in [0, 1]")
+        for name, lv_site in self.sites.items():
+            if set(lv_site) != set(lv) or any(num_classes and len(t) != num_classes for t in lv_site.values()):
+                r.problem("sets", f"site {name!r}: expected {num_classes} thresholds for each level {sorted(lv)}")
         lacking = {"conformal_scores", "prediction_set"} - outputs
         if lacking:
             r.problem("sets", f"is fitted, but 'outputs' lack {sorted(lacking)}")

@@ -45,22 +45,43 @@ def choose_coverage(meta: Any, value: Any) -> float | None:
                      f"{', '.join(f'{v:g}' for v in levels(meta))} only (export chose {meta.sets.coverage:g})")
 
 
-def set_answer(meta: Any, out: dict[str, np.ndarray], i: int, coverage: float | None = None) -> dict[str, Any] | None:
-    """Row `i`'s prediction set at `coverage` (None: the export's level): the classes in it, by name and index,
-    its level and kind and what it promises; None for a package without sets."""
+def choose_site(meta: Any, value: Any) -> str | None:
+    """A request's `site` option (or the service's TAFL_SITE) as one of the package's training sites with thresholds
+    of their own; None for none; BadRequest naming them for anything else."""
+    if value in (None, ""):
+        return None
+    sites = meta.sets.sites if meta.sets.fitted else {}
+    if str(value) in sites:
+        return str(value)
+    raise BadRequest(f"site={str(value)[:40]!r}: " + (
+        f"this package's sets have thresholds of their own for {', '.join(sorted(sites))} only" if sites else
+        "this package's sets have no site's own thresholds (a run without real sites, or under secure "
+        "aggregation); leave site out"))
+
+
+def set_answer(meta: Any, out: dict[str, np.ndarray], i: int, coverage: float | None = None,
+               site: str | None = None) -> dict[str, Any] | None:
+    """Row `i`'s prediction set at `coverage` (None: the export's level), calibrated for the federation or, with
+    `site`, on that training site's own images: the classes in it, by name and index, its level and kind and what it
+    promises; None for a package without sets."""
     spec = meta.sets
     if not spec.fitted or SCORES not in out:
         return None
     level = spec.coverage if coverage is None else coverage
-    if level == spec.coverage and MASK in out:
+    if site is None and level == spec.coverage and MASK in out:
         members = np.flatnonzero(out[MASK][i])
     else:
-        members = np.flatnonzero(np.asarray(out[SCORES][i], np.float64) <= np.asarray(spec.thresholds[level]))
+        thresholds = spec.sites[site][level] if site is not None else spec.thresholds[level]
+        members = np.flatnonzero(np.asarray(out[SCORES][i], np.float64) <= np.asarray(thresholds))
     names = meta.class_names
     return {"coverage": level, "classes": [names[c] for c in members], "labels": [int(c) for c in members],
-            "size": int(len(members)), "kind": spec.kind,
-            "meaning": (f"the true class is in this set for at least {100 * level:g}% of images of each class like the "
-                        "calibration images, whatever the case mix" if spec.kind == "class-conditional" else
-                        f"the true class is in this set for {100 * level:g}% of images on average over the "
-                        "calibration mix") + ("" if len(members) else
-                                              "; empty: no class is plausible enough at this level")}
+            "size": int(len(members)), "kind": spec.kind, "calibrated_for": site or "the federation",
+            "meaning": _meaning(spec.kind, level, site) + ("" if len(members) else
+                                                           "; empty: no class is plausible enough at this level")}
+
+
+def _meaning(kind: str, level: float, site: str | None) -> str:
+    if kind != "class-conditional":
+        return f"the true class is in this set for {100 * level:g}% of images on average over the calibration mix"
+    return (f"the true class is in this set for at least {100 * level:g}% of images of each class like the "
+            f"calibration images{' of ' + site if site else ''}, whatever the case mix")

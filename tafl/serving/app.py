@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from tafl.errors import (BadRequest, ConfigError, OutsideDomain, PayloadTooLarge, ServiceError, TaflError,
                          UnsupportedMedia)
-from tafl.packaging.sets import choose_coverage
+from tafl.packaging.sets import choose_coverage, choose_site
 from tafl.serving.context import ServingState
 from tafl.serving.decoding import decode_upload
 from tafl.serving.http import JSONResponse, audit, check_auth, error_response, flag, header_value, read_body, request_id
@@ -143,6 +143,15 @@ def prior_choice(model: LoadedModel, options: dict[str, str]) -> tuple[np.ndarra
     return log_prior_ratio(q, src), {"used": "explicit", "prior": dict(zip(names, map(float, q)))}
 
 
+def set_site(st: ServingState, model: LoadedModel, options: dict[str, str]) -> str | None:
+    """The training site whose own thresholds make the prediction sets: the request's `site` (a 400 for one the
+    package lacks), else the service's TAFL_SITE where the package has it, else none (the federation's)."""
+    if "site" in options:
+        return choose_site(model.package.meta, options["site"])
+    meta = model.package.meta
+    return st.settings.site if st.settings.site and meta.sets.fitted and st.settings.site in meta.sets.sites else None
+
+
 # ------------------------------------------------------------------ one image
 @dataclass
 class Prediction:
@@ -173,6 +182,7 @@ async def predict_one(request: Request, call: Call) -> Prediction:
     posteriors = flag(options.get("posteriors", "false"), "posteriors")
     abstain = flag(options.get("abstain", "true"), "abstain")
     coverage = choose_coverage(model.package.meta, options.get("coverage"))
+    site = set_site(st, model, options)
     from tafl.serving.dicom_results import wants_sr
 
     sr_source = data if wants_sr(request, options, data) else None  # format=sr: a 415 for a non-DICOM
@@ -190,7 +200,8 @@ async def predict_one(request: Request, call: Call) -> Prediction:
     out = await st.classify(model, decoded.frames, ratio)
     t2 = time.perf_counter()
     call.audit.update(kind=decoded.kind, frames=len(decoded.frames), prior=prior["used"])
-    results = [frame_result(model.package, out, i, posteriors, abstain, coverage) for i in range(len(decoded.frames))]
+    results = [frame_result(model.package, out, i, posteriors, abstain, coverage, site)
+               for i in range(len(decoded.frames))]
     return Prediction(model, decoded, out, prior, posteriors, want_heat, sr_source, not_assessed, (t0, t1, t2),
                       results)
 
@@ -320,6 +331,7 @@ async def predict_batch(request: Request, call: Call) -> Response:
     prior["posteriors"] = flag(options.get("posteriors", "false"), "posteriors")
     abstain = flag(options.get("abstain", "true"), "abstain")
     coverage = choose_coverage(model.package.meta, options.get("coverage"))
+    site = set_site(st, model, options)
     call.audit["prior"] = prior["used"]
     decoded = [_in_domain(st, model, d) for d in await decode_batch(st, files)]
     frames = [f for d in decoded if not isinstance(d, Exception) for f in d.frames]
@@ -329,7 +341,7 @@ async def predict_batch(request: Request, call: Call) -> Response:
         if isinstance(d, Exception):
             results.append({"index": i, "error": {"status": d.status, "code": type(d).__name__, "message": d.message}})
             continue
-        per = [frame_result(model.package, out, row + j, prior["posteriors"], abstain, coverage)
+        per = [frame_result(model.package, out, row + j, prior["posteriors"], abstain, coverage, site)
                for j in range(len(d.frames))]
         row += len(d.frames)
         item = {"index": i, **per[0], "input": {"kind": d.kind, "frames": len(d.frames)}}

@@ -238,6 +238,8 @@ class Listener:
         self.destination, self.ae_title, self.host, self.port = destination, ae_title, host, port
         self.heatmap, self.max_queue, self.workers = heatmap, max(1, max_queue), max(1, workers)
         self.not_assessed_sr = not_assessed_sr  # an image outside the model's domain: an SR saying "not assessed"
+        site = os.environ.get("TAFL_SITE", "").strip()  # the site whose own prediction-set thresholds it files
+        self.site = site if site and self.pkg.meta.sets.fitted and site in self.pkg.meta.sets.sites else None
         self.spool = Path(spool)
         self.deliver_retries, self.retry_pause = deliver_retries, retry_pause
         self.incoming, self.queue_dir, self.failed, self.outgoing = (self.spool / n for n in
@@ -379,7 +381,7 @@ class Listener:
             return self._fail(path, uid, exc)
         try:
             out = self.pkg.run(self.session, self.pkg.preprocess(decoded.frames))
-            result = frame_result(self.pkg, out, 0)
+            result = frame_result(self.pkg, out, 0, site=self.site)
             if result["abstained"] and not self.not_assessed_sr:  # no finding filed: failed/ with the reason
                 return self._fail(path, uid, OutsideDomain(result["reason"]))
             rgb = None

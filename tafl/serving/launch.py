@@ -114,6 +114,11 @@ def preflight(packages: list[str], host: str = "127.0.0.1", port: int = 3000) ->
         if settings.site_mix and pkg.meta.prior is not None:  # a class this model lacks: one line, nothing started
             parse_site_mix(settings.site_mix, pkg.class_names, f"TAFL_SITE_MIX for {pkg.name}")
         loaded.append(pkg)
+    if settings.site and not any(settings.site in p.meta.sets.sites for p in loaded if p.meta.sets.fitted):
+        known = sorted({s for p in loaded if p.meta.sets.fitted for s in p.meta.sets.sites})
+        raise ConfigError(f"TAFL_SITE={settings.site!r}: no package has prediction-set thresholds for that site "
+                          f"({'its sites: ' + ', '.join(known) if known else 'none has any site of its own'}); "
+                          "leave it unset for the federation's")
     check_port(host, port)
     return loaded
 

@@ -36,7 +36,7 @@ PREDICTION_SET = {
                    "whatever the case mix. null for an image outside the model's domain",
     "properties": {"coverage": {"type": "number"}, "classes": {"type": "array", "items": {"type": "string"}},
                    "labels": {"type": "array", "items": {"type": "integer"}}, "size": {"type": "integer"},
-                   "kind": {"type": "string"}, "meaning": {"type": "string"}}}
+                   "kind": {"type": "string"}, "calibrated_for": {"type": "string"}, "meaning": {"type": "string"}}}
 RESULT = {
     "type": "object", "required": ["abstained", "label", "class_name", "probability", "probabilities", "experts"],
     "description": "abstained true: the image lies outside the model's domain (domain.in_domain false) and there is "
@@ -88,6 +88,8 @@ OPTIONS = {
                                                 "label; false: its label anyway, marked (never for format=sr)"},
     "coverage": {"type": "string", "description": "the prediction set's level, one the package keeps (GET /models: "
                                                   "metadata sets.levels; default: the one chosen at export)"},
+    "site": {"type": "string", "description": "a training site whose own thresholds make the prediction set (metadata "
+                                              "sets.sites; default: the service's TAFL_SITE, else the federation's)"},
 }
 BINARY = {"type": "string", "format": "binary"}
 FORMAT = {"type": "string", "enum": ["json", "sr"],

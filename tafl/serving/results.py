@@ -16,12 +16,12 @@ OVERLAY_MAX_SIDE = 1024  # the longest side of the frame a heatmap overlay is dr
 
 
 def frame_result(package: ModelPackage, out: dict[str, np.ndarray], i: int, posteriors: bool = False,
-                 abstain: bool = True, coverage: float | None = None) -> dict[str, Any]:
+                 abstain: bool = True, coverage: float | None = None, site: str | None = None) -> dict[str, Any]:
     """Row `i` of the graph's outputs `out`: label, class name, probability, every class's probability, each
     expert's vote (ensembles) and, with `posteriors`, the calibrated probabilities under the request's prior; the
     in-domain verdict (`domain`) when the package has a detector, and `abstained`; the conformal prediction set
-    (`prediction_set`, at `coverage`, None: the export's level) when the package has sets; an image outside the
-    model's domain gets none (null).
+    (`prediction_set`, at `coverage`, None: the export's level; with `site`, from that training site's own
+    thresholds) when the package has sets; an image outside the model's domain gets none (null).
 
     An image outside the model's domain gets no finding: with `abstain` (the default) the answer has no label,
     class, probability or votes, only the verdict and its reason; without it (a request's `abstain=false`) the
@@ -47,7 +47,7 @@ def frame_result(package: ModelPackage, out: dict[str, np.ndarray], i: int, post
         res["votes"] = {n: float(v) for n, v in zip(names, out["votes"][i])}
     res["experts"] = experts
     if package.meta.sets.fitted:  # no set outside the domain: the guarantee is for images like the calibration's
-        res["prediction_set"] = None if outside else set_answer(package.meta, out, i, coverage)
+        res["prediction_set"] = None if outside else set_answer(package.meta, out, i, coverage, site)
     if posteriors and "calibrated_probs" in out:  # under the request's prior (prior=train: the source prior)
         res["calibrated_probabilities"] = {n: float(p) for n, p in zip(names, out["calibrated_probs"][i])}
     if verdict is not None:

@@ -40,6 +40,7 @@ class Settings:
     prior_refresh: int = 50  # served images between two estimates
     prior_min_images: int = 100  # fewer images behind the estimate: prior=adaptive falls back to the source prior
     site_mix: str | None = None  # this site's own class counts (tafl.prior.parse_site_mix): the estimator's centre
+    site: str | None = None  # TAFL_SITE: the training site this service answers for (its own prediction-set thresholds)
     prior_adaptive: str = "checked"  # TAFL_PRIOR_ADAPTIVE: checked (each package's validation check decides) or always
     max_request_frames: int = 256  # decoded frames in one request, all its files together (/predict/batch)
     max_request_pixels: int = 100_000_000  # decoded pixels in one request, all its files together
@@ -85,6 +86,7 @@ class Settings:
                    prior_refresh=env_int("TAFL_PRIOR_REFRESH", 50),
                    prior_min_images=env_int("TAFL_PRIOR_MIN_IMAGES", 100),
                    site_mix=env.get("TAFL_SITE_MIX", "").strip() or None,
+                   site=env.get("TAFL_SITE", "").strip() or None,
                    prior_adaptive=prior_adaptive_mode(),
                    max_request_frames=env_int("TAFL_MAX_REQUEST_FRAMES", 256),
                    max_request_pixels=env_int("TAFL_MAX_REQUEST_PIXELS", 100_000_000),

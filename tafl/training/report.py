@@ -262,8 +262,20 @@ def sets_lines(c: dict[str, Any] | None) -> list[str]:
              "| level | sets | coverage | mean size | lowest coverage over the eleven mixes |", "|---|---|---|---|---|"]
     for level, entry in c.get("levels", {}).items():
         for variant, v in entry.items():
-            lines.append(f"| {level} | {variant.replace('_', '-')} | {pct(v['coverage'])} | {v['size']:.2f} | "
-                         f"{pct(v['lowest_mix_coverage'])} |")
+            if variant != "site_aware":
+                lines.append(f"| {level} | {variant.replace('_', '-')} | {pct(v['coverage'])} | {v['size']:.2f} | "
+                             f"{pct(v['lowest_mix_coverage'])} |")
+    level = "0.9"  # tafl.training.sets.REPORT_LEVEL
+    entry = c.get("levels", {}).get(level) or {}
+    if "site_aware" in entry:  # each site's test images under the federation's thresholds and under the site's own
+        fed = entry["class_conditional"].get("sites", {})
+        lines += ["", f"Per site at {level}: the federation's thresholds against each site's own.", "",
+                  "| site | test images | federation: coverage / size | the site's own: coverage / size |",
+                  "|---|---|---|---|"]
+        for name, v in entry["site_aware"]["sites"].items():
+            f = fed.get(name, {})
+            lines.append(f"| {name} | {v['images']} | {pct(f.get('coverage'))} / {_f(f.get('size'))} | "
+                         f"{pct(v['coverage'])} / {v['size']:.2f} |")
     return lines
 
 

@@ -49,9 +49,12 @@ def not_fitted(state: GlobalState, why: str) -> GlobalState:
 
 
 def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunConfig, val: Any,
-             book: dict[str, Any]) -> GlobalState:
+             book: dict[str, Any], site_names: list[str] | None = None) -> GlobalState:
     """The sets' statistics round (or the validation split's histograms) and their sum in the state: extras
-    `conformal.hist` (C, GRID), meta `conformal`."""
+    `conformal.hist` (C, GRID), meta `conformal`. Where the clients are real sites (`site_names`, one client each) and
+    each site's histograms reach the server on their own (not under secure aggregation), each site's are kept too
+    (extras `conformal.site_hist` (S, C, GRID), meta `conformal.sites`): its own thresholds cover its own images, which
+    the federation's need not (docs/design.md, "Prediction sets")."""
     if not cfg.conformal:
         return not_fitted(state, "turned off (--no-conformal)")
     t0 = time.perf_counter()
@@ -72,6 +75,11 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
         if not good:
             return not_fitted(state, "no client sent its histograms")
         hist = sum(r.extras[SETS_KEY].double().numpy() for r in good)
+        per_site = None
+        if site_names and not cfg.secure_aggregation and transport.num_clients == len(site_names):
+            per_site = np.zeros((len(site_names), C, conformal.GRID))
+            for r in good:
+                per_site[int(r.client_id)] = r.extras[SETS_KEY].double().numpy()
         # a secure sum is one combined result: the transport lists the clients in it
         clients = sorted(int(c) for c in (cost.get("answered") or [r.client_id for r in good]))
         source = "the clients' held-out rows" + (", one SecAgg+ sum" if cfg.secure_aggregation else "")
@@ -82,7 +90,12 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
         module = method.inference_model(state).to(method.device)
         out = predict(module, val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
         probs = Calibration.from_dict(calibration, C).probs(method.posterior_logits(out))
-        hist = conformal.histograms(conformal.true_class_scores(probs, val.labels), val.labels, C)
+        scores = conformal.true_class_scores(probs, val.labels)
+        hist = conformal.histograms(scores, val.labels, C)
+        per_site = None
+        if site_names and getattr(val, "sites", None) is not None:  # the validation split's rows of each site
+            per_site = np.stack([conformal.histograms(scores[val.sites == k], val.labels[val.sites == k], C)
+                                 for k in range(len(site_names))])
         source, clients = "the server's validation split" + (
             " (under DP: the coordinator's own images, no budget spent)" if private else ""), []
     counts = hist.sum(axis=1)
@@ -93,9 +106,16 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
                           for level in LEVELS},
            "marginal_thresholds": {str(level): conformal.marginal_threshold(hist, 1 - level) for level in LEVELS},
            "seconds": round(time.perf_counter() - t0, 2)}
+    if per_site is not None:
+        rec["sites"] = {name: {"calibration_images": int(per_site[k].sum()),
+                               "thresholds": {str(level): [float(t) for t in conformal.class_thresholds(
+                                   per_site[k], 1 - level)] for level in LEVELS}}
+                        for k, name in enumerate(site_names)}
     log.info("conformal sets: %d calibration images from %s; per class %s", rec["calibration_images"], source,
              rec["per_class"])
     extras = {**state.extras, "conformal.hist": torch.from_numpy(hist.astype(np.float32))}
+    if per_site is not None:
+        extras["conformal.site_hist"] = torch.from_numpy(per_site.astype(np.float32))
     return GlobalState(state.weights, extras, dict(state.meta, conformal=rec))
 
 
@@ -112,7 +132,9 @@ def sets_report(state: GlobalState, probs: np.ndarray, labels: np.ndarray, ranks
         return dict(rec) if rec else None
     C = len(class_names)
     y = np.asarray(labels, np.int64)
-    out: dict[str, Any] = {k: v for k, v in rec.items() if k not in ("thresholds", "marginal_thresholds")}
+    out: dict[str, Any] = {k: v for k, v in rec.items() if k not in ("thresholds", "marginal_thresholds", "sites")}
+    if rec.get("sites"):
+        out["sites"] = {n: {"calibration_images": v["calibration_images"]} for n, v in rec["sites"].items()}
     levels: dict[str, Any] = {}
     for level in LEVELS:
         key = str(level)
@@ -140,6 +162,14 @@ def sets_report(state: GlobalState, probs: np.ndarray, labels: np.ndarray, ranks
                 v["sites"] = {n: {"coverage": float(hit[s == k].mean()), "size": float(size[s == k].mean()),
                                   "images": int((s == k).sum())} for k, n in enumerate(site_names) if (s == k).any()}
             entry[variant] = v
+        if rec.get("sites") and sites is not None and site_names:  # each test image under its own site's thresholds
+            s = np.asarray(sites)
+            own = np.stack([np.asarray(rec["sites"][site_names[int(k)]]["thresholds"][key]) for k in s])
+            sets = conformal.prediction_sets(probs, own)
+            hit, size = sets[np.arange(len(y)), y], sets.sum(axis=1)
+            entry["site_aware"] = {"sites": {n: {"coverage": float(hit[s == k].mean()),
+                                                 "size": float(size[s == k].mean()), "images": int((s == k).sum())}
+                                             for k, n in enumerate(site_names) if (s == k).any()}}
         levels[key] = entry
     out["levels"] = levels
     return out

@@ -189,7 +189,7 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
     if "domain_detector" not in kept.meta:
         kept = fit_detector(method, kept, transport, cfg, ds.val.images, book)
     if "conformal" not in kept.meta:
-        kept = fit_sets(method, kept, transport, cfg, ds.val, book)
+        kept = fit_sets(method, kept, transport, cfg, ds.val, book, ds.site_names)
     final = {**common, "state": kept.to_dict(), "round": kept_round, "book": {k: v for k, v in book.items()
                                                                               if k != "best"}}
     save_checkpoint(final, out / "final.pt")

@@ -142,7 +142,9 @@
     }
     var set = $("res-set"), ps = b.prediction_set;
     if (ps) {  // the conformal set beside the label: the classes the model cannot rule out, in words
-      set.textContent = "Plausible classes (" + Math.round(ps.coverage * 100) + "% set): " +
+      var at = ps.calibrated_for && ps.calibrated_for !== "the federation" ?
+        ", calibrated at " + ps.calibrated_for : "";
+      set.textContent = "Plausible classes (" + Math.round(ps.coverage * 100) + "% set" + at + "): " +
         (ps.classes.length ? ps.classes.join(", ") : "none at this level") +
         ". The true class is in such a set for " + Math.round(ps.coverage * 100) +
         "% of images of each class, whatever the case mix.";
