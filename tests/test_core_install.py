@@ -58,7 +58,7 @@ def tafl(*args: str, env: dict[str, str] | None = None, timeout: float = 180) ->
 
 def test_the_deployment_modules_import_no_training_stack():
     code = ("import sys, tafl.cli, tafl.serving.service, tafl.serving.launch, tafl.serving.dicom_listener, "
-            "tafl.clients, tafl.clients.score, tafl.packaging, tafl.packaging.signing, tafl.prior, "
+            "tafl.clients, tafl.clients.score, tafl.clients.validate, tafl.clients.validate_report, tafl.packaging, tafl.packaging.signing, tafl.prior, "
             "tafl.imaging.dicom_sr; tafl.cli.build_parser(); "
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({TRAIN_ONLY!r})))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)

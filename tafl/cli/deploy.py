@@ -194,6 +194,21 @@ def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
                                                   f"{fr['class_name']} (p={fr['probability']:.3f})"))
 
 
+def cmd_validate(ns: argparse.Namespace) -> int:
+    """0: every acceptance criterion met (or none given); 1: some not met; 2: no report could be made (main's
+    handler prints the reason)."""
+    from tafl.clients.validate import read_criteria_file, validate
+    from tafl.clients.validate_report import write
+
+    criteria = list(ns.require) + (read_criteria_file(ns.criteria) if ns.criteria else [])
+    report = validate(ns.package, ns.data, ns.labels, criteria=criteria, path_column=ns.path_column,
+                      label_column=ns.label_column, batch_size=ns.batch_size)
+    html_path, json_path = write(report, ns.out)
+    print(report["verdict"])
+    print(f"report: {html_path} (and {json_path.name})")
+    return 0 if report["passed"] else 1
+
+
 def cmd_score(ns: argparse.Namespace) -> int:
     from tafl.clients.score import print_summary, score_folder
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tafl.cli.deploy import (cmd_dicom_listen, cmd_export, cmd_keys_new, cmd_packages_list, cmd_predict, cmd_score,
-                             cmd_serve)
+                             cmd_serve, cmd_validate)
 from tafl.cli.flags import add_config_flags
 from tafl.cli.training import cmd_compare, cmd_demo, cmd_eval, cmd_explain, cmd_retrain, cmd_train
 
@@ -111,7 +111,7 @@ def _package_verbs(sub) -> None:
 
 
 def _client_verbs(sub) -> None:
-    """predict, score: a client of a running service, or of a package in-process."""
+    """predict, validate, score: a client of a running service, or of a package in-process."""
     pr = sub.add_parser("predict", help="send images to a running service and show the predictions")
     pr.add_argument("files", nargs="+", help="PNG, JPEG or DICOM files")
     pr.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:3000")
@@ -131,6 +131,25 @@ def _client_verbs(sub) -> None:
                     help="the prediction set's coverage, one of the package's levels (default: the one chosen at "
                          "export, usually 0.9)")
     pr.set_defaults(func=cmd_predict)
+
+    va = sub.add_parser("validate", help="validate a package on this site's own labelled images: one HTML report "
+                                         "(and its JSON) a review board can file, and a verdict on acceptance "
+                                         "criteria (exit 0 pass, 1 fail, 2 could not run)")
+    va.add_argument("package", help="the model package folder")
+    va.add_argument("data", help="the folder the labelled images lie in")
+    va.add_argument("--labels", required=True, metavar="CSV",
+                    help="one row per image: its path under DATA (an id without suffix finds .png, .jpg, .dcm) and "
+                         "its true class")
+    va.add_argument("--path-column", default="path", help="the CSV column of the image paths (default path)")
+    va.add_argument("--label-column", default="label", help="the CSV column of the true classes (default label)")
+    va.add_argument("--require", action="append", default=[], metavar="CRITERION",
+                    help="an acceptance criterion, judged on the 95%% interval, such as 'sensitivity(mel)>=0.8' or "
+                         "'balanced_accuracy>=0.6' (repeat it; default: none)")
+    va.add_argument("--criteria", metavar="YAML", help="a file of criteria kept beside the package (a list, or "
+                                                       "require: [...]; default: none)")
+    va.add_argument("--out", required=True, metavar="DIR", help="folder for validation.html and validation.json")
+    va.add_argument("--batch-size", type=int, default=64, help="images per ONNX Runtime call (default 64)")
+    va.set_defaults(func=cmd_validate)
 
     sc = sub.add_parser("score", help="score every image in a folder, or in a PACS over DICOMweb, into a CSV or "
                                       "JSONL file")
