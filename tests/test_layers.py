@@ -6,7 +6,8 @@ and fails on an edge that runs against the layering:
     serving    -> packaging, the leaves
     packaging  -> training (export.py only: it needs the model), the leaves
     training   -> the leaves
-    leaves     tafl.errors, tafl.files, tafl.procs, tafl.prior, tafl.privacy_text, tafl.imaging: each other only
+    leaves     tafl.errors, tafl.files, tafl.procs, tafl.prior, tafl.privacy_text, tafl.imaging, tafl.conformal,
+               tafl.intervals: each other only
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import tafl
 
 ROOT = Path(tafl.__file__).resolve().parent
-LEAVES = {"errors", "files", "procs", "prior", "privacy_text", "settings", "imaging", "__init__", "__main__"}
+LEAVES = {"errors", "files", "procs", "prior", "privacy_text", "settings", "imaging", "conformal", "intervals",
+          "__init__", "__main__"}
 ALLOWED = {
     "leaf": {"leaf"},
     "training": {"leaf", "training"},

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from tafl.errors import ConfigError, DataError, OutsideDomain, TaflError
+from tafl.intervals import wilson
 
-Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 BOOTSTRAP = 2000
 BINS = 10
 IMAGE_SUFFIXES = ("", ".png", ".jpg", ".jpeg", ".dcm", ".PNG", ".JPG", ".JPEG", ".DCM")
@@ -138,16 +138,6 @@ def score(pkg: Any, data: Labelled, batch_size: int = 64, threads: int | None = 
 
 
 # ------------------------------------------------------------------ intervals and metrics
-def wilson(k: float, n: float, z: float = Z95) -> tuple[float, float, float]:
-    """(estimate, low, high) of a proportion k / n with Wilson's score interval; NaNs for n = 0."""
-    if n <= 0:
-        return (math.nan, math.nan, math.nan)
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (p, max(0.0, centre - half), min(1.0, centre + half))
-
-
 def balanced_accuracy(y: np.ndarray, pred: np.ndarray, classes: np.ndarray) -> float:
     """The mean recall over `classes` (those with support)."""
     return float(np.mean([(pred[y == c] == c).mean() for c in classes]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tafl.packaging.domain import describe
+from tafl.intervals import with_interval
 from tafl.packaging.metadata import Detector, PackageMetadata, PriorSpec, Sets
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, site_rows, summary_markdown
 from tafl.privacy_text import privacy_lines
@@ -93,7 +94,10 @@ def _metrics_lines(m: PackageMetadata) -> list[str]:
     lines = ["", "## Metrics", ""]
     met = m.metrics
     if met:
-        lines += [f"{met.source}. Mean over the eleven test distributions: **{_pct(met.average_accuracy)}**.", "",
+        n = met.test_images
+        lines += [f"{met.source}. Mean over the eleven test distributions: "
+                  f"**{with_interval(met.average_accuracy, n, 1)}**"
+                  + (f" (95% Wilson interval for {n} test images)" if n else "") + ".", "",
                   "| " + " | ".join(ORDER) + " |", "|" + "---|" * len(ORDER),
                   "| " + " | ".join(_pct(met.accuracy.get(k)) for k in ORDER) + " |", "", DISTRIBUTIONS_NOTE]
         um = met.uniform_metrics
@@ -108,7 +112,8 @@ def _metrics_lines(m: PackageMetadata) -> list[str]:
         lines += ["", "### Per site", "", SITES_NOTE, "",
                   "| site | test images | accuracy | balanced accuracy | site's own mix | adapted | true mix given |",
                   "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['site']} | {r['n_test'] if r['n_test'] is not None else ''} | {_pct(r['own'])} | "
+        lines += [f"| {r['site']} | {r['n_test'] if r['n_test'] is not None else ''} | "
+                  f"{with_interval(r['own'], r['n_test'], 1) if r['own'] is not None else _pct(None)} | "
                   f"{_pct(r['own_balanced'])} | {_pct(r['site_mix'])} | {_pct(r['adapted'])} | {_pct(r['oracle'])} |"
                   for r in rows]
     return lines

@@ -516,6 +516,8 @@ def _metrics_from(ck_path: Path) -> dict[str, Any] | None:
                                  for k in ("forward50", "uniform", "backward50") if k in dists},
             "uniform_metrics": {k: v for k, v in (r.get("uniform_metrics") or {}).items() if k != "per_class"},
             "per_class_accuracy": r.get("per_class_accuracy"),
+            # the intervals' sizes (tafl.intervals): the test split's images, per class
+            "test_class_counts": r.get("test_class_counts"),
             "validation": r.get("validation"),
             **({"sites": {name: {k: d.get(k) for k in ("n_test", "own", "adapted", "oracle")}
                           for name, d in r["sites"].items()},

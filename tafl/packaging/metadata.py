@@ -281,6 +281,16 @@ class Metrics(Record):
         return self._get("per_class_accuracy")
 
     @property
+    def test_class_counts(self) -> list[int]:
+        """The test split's images per class ([] where the report did not record them)."""
+        c = self._get("test_class_counts")
+        return [int(x) for x in c] if isinstance(c, list) and all(isinstance(x, NUMBER) for x in c) else []
+
+    @property
+    def test_images(self) -> int | None:
+        return sum(self.test_class_counts) or None
+
+    @property
     def uniform_metrics(self) -> UniformMetrics:
         return UniformMetrics.of(self._get("uniform_metrics"))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tafl.intervals import with_interval
 from tafl.packaging.metadata import PackageMetadata, SiteScores
 
 # a class whose test images the model labels correctly at least this often is "recognised well"; below MISSED
@@ -100,7 +101,9 @@ def plain_summary(meta: PackageMetadata) -> dict[str, Any]:
     n_train = meta.data_provenance.n_train
     what = f"Sorts {dataset} images into one of {len(names)} classes: {', '.join(names)}."
 
-    accuracy = [(words, whole_pct(v), v) for k, words in MIXES if (v := finite(acc.get(k))) is not None]
+    n_test = met.test_images  # a 95% interval from the test split's size (tafl.intervals)
+    accuracy = [(words, with_interval(v, n_test), v) for k, words in MIXES if (v := finite(acc.get(k))) is not None]
+    counts = met.test_class_counts
 
     per_class = met.per_class_accuracy or []
     well, between, missed, untested = [], [], [], []
@@ -109,7 +112,8 @@ def plain_summary(meta: PackageMetadata) -> dict[str, Any]:
         if v is None:
             untested.append((c, "—"))
         else:
-            (well if v >= WELL else missed if v < MISSED else between).append((c, whole_pct(v), v))
+            shown = with_interval(v, counts[i] if i < len(counts) else None, inside=True)  # "c (93%; 90–95%)"
+            (well if v >= WELL else missed if v < MISSED else between).append((c, shown, v))
     groups = []
     for heading, items, note in (
             (f"Recognises well (finds at least {WELL:.0%} of its test cases)", well, ""),

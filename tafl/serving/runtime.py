@@ -425,6 +425,18 @@ class LoadedModel:
                 "outside_share": outside / max(1, self.answered + outside),
                 "detector": None if det.threshold is None else {"threshold": det.threshold, "keep": det.keep}}
 
+    def headline(self) -> dict[str, Any] | None:
+        """The card's headline number with its 95% interval from the test split's size (tafl.intervals), or None."""
+        from tafl.intervals import wilson, with_interval
+
+        met = self.package.meta.metrics
+        v, n = met.average_accuracy, met.test_images
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            return None
+        _, lo, hi = wilson(v * n, n) if n else (v, None, None)
+        return {"average_accuracy": float(v), "interval": None if lo is None else [lo, hi], "test_images": n,
+                "text": with_interval(v, n, 1), "interval_method": "Wilson, 95%, over the test split's images"}
+
     def describe(self) -> dict[str, Any]:
         sizes = self.batcher.batch_sizes
         return {"name": self.name, "version": self.package.version, "source": self.source,
@@ -437,6 +449,7 @@ class LoadedModel:
                 "lanes_from": self.lanes_from,
                 "case_mix": self.monitor.describe() if self.monitor else None,
                 "domain": self.describe_domain(),
+                "headline": self.headline(),
                 "site_prior": None if self.site_prior is None else  # what prior=site decides for
                 dict(zip(self.package.class_names, map(float, self.site_prior)))}
 

@@ -39,6 +39,7 @@ from starlette.routing import Route
 from tafl.imaging.heatmap import jet, overlay
 from tafl.packaging.summary import DISTRIBUTIONS_NOTE, SITES_NOTE, plain_summary, site_rows, training_shares
 from tafl.packaging.summary import finite as _num
+from tafl.intervals import with_interval
 from tafl.packaging.card import detector_line, sets_line
 from tafl.errors import TaflError
 from tafl.privacy_text import privacy_summary
@@ -313,7 +314,7 @@ def _static_view(st: ServingState, model, index: int) -> dict[str, Any]:
         "experts": meta.expert_names,
         "vote_rule": meta.vote.rule if meta.vote else None,
         "metrics_source": met.source, "has_metrics": bool(acc),
-        "average": pct(met.average_accuracy),
+        "average": with_interval(met.average_accuracy, met.test_images, 1),  # with its 95% interval (Wilson)
         "accuracy_rows": [(k, pct(acc.get(k))) for k in DISTRIBUTIONS],
         "accuracy_svg": accuracy_chart(acc, met.average_accuracy, f"{uid}-acc",
                                        f"{pkg.name} {pkg.version}") if acc else None,

@@ -185,3 +185,33 @@ def test_the_report_renders_in_chromium_and_prints_with_its_charts(report, tmp_p
         assert pdf.startswith(b"%PDF") and pdf.count(b"/Type /Page") >= 2
     finally:
         drv.quit()
+
+
+def test_headline_numbers_carry_their_interval_in_the_card_and_models(gtafl_pkg, auth_server):
+    """Issue 55, item 3: the card, /models and the page state the headline number with its 95% Wilson interval
+    from the test split's size, equal to statsmodels' interval."""
+    pytest.importorskip("statsmodels")
+    import httpx
+    from statsmodels.stats.proportion import proportion_confint
+
+    from tafl.intervals import wilson, with_interval
+    from tafl.packaging import load_package
+    from tests.conftest import TOKEN
+
+    for k, n in ((0, 10), (3, 10), (10, 10), (57, 140), (1999, 2003)):
+        np.testing.assert_allclose(wilson(k, n)[1:], proportion_confint(k, n, alpha=0.05, method="wilson"),
+                                   atol=1e-12)
+    pkg = load_package(gtafl_pkg)
+    met = pkg.meta.metrics
+    n = met.test_images
+    assert n and n == sum(met.test_class_counts)
+    shown = with_interval(met.average_accuracy, n, 1)
+    assert f"Mean over the eleven test distributions: **{shown}** (95% Wilson interval for {n} test images)" \
+        in pkg.card
+    models = httpx.get(f"{auth_server.url}/models", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()
+    head = next(m for m in models["models"] if m["name"] == pkg.name)["headline"]
+    assert head["text"] == shown and head["test_images"] == n
+    np.testing.assert_allclose(head["interval"], proportion_confint(met.average_accuracy * n, n, method="wilson"),
+                               atol=1e-12)
+    page = httpx.get(f"{auth_server.url}/ui/panel", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).text
+    assert f"Mean over the eleven: <strong>{shown}</strong>" in page

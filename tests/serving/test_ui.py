@@ -122,6 +122,7 @@ def test_plain_summary_opens_each_model_and_the_card(server, gtafl_pkg, dafl_pkg
     the package's model card starts with the same summary (one implementation)."""
     from html import unescape
 
+    from tafl.intervals import with_interval
     from tafl.packaging.summary import MISSED, WELL, summary_markdown
 
     html = get(server, "/").text
@@ -133,16 +134,19 @@ def test_plain_summary_opens_each_model_and_the_card(server, gtafl_pkg, dafl_pkg
         summary = section[start:section.index("<h3>Details</h3>")]
         text = unescape(re.sub(r"<[^>]+>", " ", summary))
         text = re.sub(r"\s+", " ", text)
-        acc = meta["metrics"]["accuracy"]
-        assert f"{100 * acc['forward50']:.0f}% labelled correctly when the case mix is like training" in text
-        assert f"{100 * acc['backward50']:.0f}% labelled correctly when rare findings become common" in text
+        acc, counts = meta["metrics"]["accuracy"], meta["metrics"]["test_class_counts"]
+        n = sum(counts)  # every number with its 95% interval from the test split's size
+        assert f"{with_interval(acc['forward50'], n)} labelled correctly when the case mix is like training" in text
+        assert f"{with_interval(acc['backward50'], n)} labelled correctly when rare findings become common" in text
+        assert re.search(r"\d+% \(\d+–\d+%\) labelled correctly", text)
         assert f"one of {len(pkg.class_names)} classes: " + ", ".join(pkg.class_names) in text
         groups = dict(re.findall(r'<span class="summary-heading">([^<]+):</span>(.*?)</p>', summary, re.S))
-        for c, a in zip(pkg.class_names, meta["metrics"]["per_class_accuracy"]):
+        for c, a, k in zip(pkg.class_names, meta["metrics"]["per_class_accuracy"], counts):
             if a is None:
                 continue
             want = "Recognises well" if a >= WELL else "Often misses" if a < MISSED else "Sometimes misses"
-            [where] = [h for h, items in groups.items() if f'"summary-class">{c} ({100 * a:.0f}%)<' in items]
+            shown = with_interval(a, k, inside=True)
+            [where] = [h for h, items in groups.items() if f'"summary-class">{c} ({shown})<' in items]
             assert where.startswith(want), (c, a, where)
         assert "A diagnosis on its own" in text and f"Findings outside its {len(pkg.class_names)} classes" in text
         # what it is, before any number: a person who reads one line learns it is no medical device
