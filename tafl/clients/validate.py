@@ -8,7 +8,7 @@ puts outside its domain gets no label, as in the service; the refused share is r
 
 - per class, sensitivity and specificity with Wilson 95 % intervals, the support, and the card's claim beside the
   sensitivity (the test split's per-class accuracy), flagged where the site's whole interval lies below it;
-- accuracy (Wilson) and balanced accuracy (percentile bootstrap over images, BOOTSTRAP resamples, seeded) per rule;
+- accuracy (Wilson) and balanced accuracy (stratified percentile bootstrap, BOOTSTRAP resamples, seeded) per rule;
 - calibration: the expected calibration error of the answer's probability over BINS equal-width bins, and its
   reliability diagram (computed here: netcal, the well-kept reference, needs torch, which the core install lacks;
   tests check it against scikit-learn's calibration_curve);
@@ -145,19 +145,17 @@ def balanced_accuracy(y: np.ndarray, pred: np.ndarray, classes: np.ndarray) -> f
 
 def bootstrap_balanced(y: np.ndarray, pred: np.ndarray, seed: int = 0,
                        n: int = BOOTSTRAP) -> tuple[float, float, float]:
-    """(balanced accuracy, low, high): the 2.5 and 97.5 percentiles over `n` resamples of the images (a resample
-    without some class present measures the classes it has)."""
+    """(balanced accuracy, low, high): the 2.5 and 97.5 percentiles of a stratified bootstrap, each class's images
+    resampled within the class (so every resample measures every class the site has, as the estimate does); a
+    class's resampled count of right answers is Binomial(n_c, recall_c), which is drawn directly."""
     if len(y) == 0:
         return (math.nan, math.nan, math.nan)
     classes = np.unique(y)
     est = balanced_accuracy(y, pred, classes)
     rng = np.random.default_rng(seed)
-    vals = []
-    for _ in range(n):
-        idx = rng.integers(0, len(y), len(y))
-        yy, pp = y[idx], pred[idx]
-        vals.append(balanced_accuracy(yy, pp, np.unique(yy)))
-    lo, hi = np.percentile(vals, [2.5, 97.5])
+    draws = np.stack([rng.binomial(int((y == c).sum()), float((pred[y == c] == c).mean()), n) / (y == c).sum()
+                      for c in classes])
+    lo, hi = np.percentile(draws.mean(axis=0), [2.5, 97.5])
     return (est, float(lo), float(hi))
 
 
@@ -343,7 +341,8 @@ def validate(package: str | Path, data_root: str | Path, labels_csv: str | Path,
     report["tafl_version"] = tafl.__version__
     report["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     report["method_notes"] = {"proportions": "Wilson score interval, 95 %",
-                              "balanced_accuracy": f"percentile bootstrap over images, {BOOTSTRAP} resamples, 95 %",
+                              "balanced_accuracy": f"stratified percentile bootstrap (each class resampled within "
+                                                   f"itself), {BOOTSTRAP} resamples, 95 %",
                               "calibration": f"expected calibration error, {BINS} equal-width bins of the answer's "
                                              "probability",
                               "images": "the images the model answered (in its domain); the refused share apart"}
