@@ -1,5 +1,5 @@
 """`tafl validate PKG DATA --labels CSV`: a site validates a package on its own labelled images before go-live
-(issue 55; docs/guide.md, "Validating a package at your site").
+(issue 55; docs/design.md, "Validating a package at a site").
 
 The images go the service's way (the decoder, the package's header rules, its preprocessing, ONNX Runtime) and are
 decided as the service would: the package's default rule, the site's own mix (`prior=site`, from its labels), and
