@@ -197,12 +197,20 @@ def _print_predictions(rows: list[dict[str, Any]], as_json: bool) -> None:
 def cmd_validate(ns: argparse.Namespace) -> int:
     """0: every acceptance criterion met (or none given); 1: some not met; 2: no report could be made (main's
     handler prints the reason)."""
-    from tafl.clients.validate import read_criteria_file, validate
+    import tempfile
+
+    from tafl.clients.validate import fetch_dicomweb, read_criteria_file, validate
     from tafl.clients.validate_report import write
 
+    if bool(ns.data) == bool(ns.dicomweb):
+        raise ConfigError("give the images' folder (DATA) or --dicomweb URL --study UID, one of them")
     criteria = list(ns.require) + (read_criteria_file(ns.criteria) if ns.criteria else [])
-    report = validate(ns.package, ns.data, ns.labels, criteria=criteria, path_column=ns.path_column,
-                      label_column=ns.label_column, batch_size=ns.batch_size)
+    with tempfile.TemporaryDirectory(prefix="tafl-validate-") as tmp:
+        data = ns.data or fetch_dicomweb(ns.dicomweb, ns.study, Path(tmp))
+        report = validate(ns.package, data, ns.labels, criteria=criteria, path_column=ns.path_column,
+                          label_column=ns.label_column, batch_size=ns.batch_size)
+    if ns.dicomweb:
+        report["data"]["root"] = f"{ns.dicomweb} (studies {', '.join(ns.study)})"
     html_path, json_path = write(report, ns.out)
     print(report["verdict"])
     print(f"report: {html_path} (and {json_path.name})")

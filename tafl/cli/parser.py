@@ -136,7 +136,11 @@ def _client_verbs(sub) -> None:
                                          "(and its JSON) a review board can file, and a verdict on acceptance "
                                          "criteria (exit 0 pass, 1 fail, 2 could not run)")
     va.add_argument("package", help="the model package folder")
-    va.add_argument("data", help="the folder the labelled images lie in")
+    va.add_argument("data", nargs="?", help="the folder the labelled images lie in (or --dicomweb)")
+    va.add_argument("--dicomweb", metavar="URL", help="validate on a PACS's studies over DICOMweb instead of a folder "
+                                                      "(the labels name instances by SOP Instance UID; default: none)")
+    va.add_argument("--study", action="append", default=[], metavar="UID",
+                    help="with --dicomweb: a study to validate on (repeat it)")
     va.add_argument("--labels", required=True, metavar="CSV",
                     help="one row per image: its path under DATA (an id without suffix finds .png, .jpg, .dcm) and "
                          "its true class")

@@ -99,6 +99,25 @@ def read_labels(csv_path: str | Path, root: str | Path, class_names: list[str], 
     return Labelled(ids, paths, np.asarray(labels, np.int64))
 
 
+def fetch_dicomweb(url: str, studies: list[str], dest: Path) -> Path:
+    """Every image instance of `studies` on a DICOMweb server (QIDO-RS, then WADO-RS as stored, no transcoding),
+    written as DEST/<SOP Instance UID>.dcm: the labels CSV names instances by their SOP Instance UID. tafl's own
+    SRs and captures and non-image instances are not fetched."""
+    from tafl.clients.dicomweb import Pacs
+    from tafl.settings import upload_limit
+
+    if not studies:
+        raise ConfigError("--dicomweb validates the studies given with --study UID (one or more)")
+    pacs = Pacs(url)
+    images, _ = pacs.find(list(studies), None, None)
+    dest.mkdir(parents=True, exist_ok=True)
+    limit = upload_limit()
+    for ref in images:
+        if not ref.ours:
+            (dest / f"{ref.sop}.dcm").write_bytes(pacs.fetch(ref, dest / ".wado", limit))
+    return dest
+
+
 # ------------------------------------------------------------------ scoring, the service's way
 def score(pkg: Any, data: Labelled, batch_size: int = 64, threads: int | None = None) -> dict[str, Any]:
     """The graph's outputs for every labelled image that decodes (rows in `data`'s order: `rows`), and why each

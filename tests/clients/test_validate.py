@@ -222,3 +222,54 @@ def test_headline_numbers_carry_their_interval_in_the_card_and_models(gtafl_pkg,
                                atol=1e-12)
     page = httpx.get(f"{auth_server.url}/ui/panel", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).text
     assert f"Mean over the eleven: <strong>{shown}</strong>" in page
+
+
+def test_validation_on_a_pacs_over_dicomweb_equals_the_same_files_in_a_folder(gtafl_pkg, tmp_path):
+    """`tafl validate --dicomweb URL --study UID` (a real Orthanc): the study's instances, fetched by WADO-RS and
+    named by SOP Instance UID in the labels, give the report the same files give from a folder."""
+    import io
+
+    import pydicom
+
+    from tests.orthanc import Orthanc
+
+    if not Orthanc.available():
+        pytest.skip("Orthanc (Debian: orthanc, orthanc-dicomweb) is not installed")
+    from dicomweb_client.api import DICOMwebClient
+    from sklearn.datasets import load_digits
+
+    from tests.packaging.test_domain import dicom
+
+    d, study = load_digits(), pydicom.uid.generate_uid()
+    folder, rows, datasets = tmp_path / "dcm", [], []
+    folder.mkdir()
+    for i in range(40):
+        ds = pydicom.dcmread(io.BytesIO(dicom("OT", seed=i)))
+        ds.StudyInstanceUID = study
+        ds.PixelData = np.uint8(d.images[i] * 15).repeat(4, 0).repeat(4, 1).tobytes()
+        datasets.append(ds)
+        ds.save_as(folder / f"{ds.SOPInstanceUID}.dcm", enforce_file_format=True)
+        rows.append({"path": str(ds.SOPInstanceUID), "label": str(d.target[i])})
+    with open(tmp_path / "labels.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, ["path", "label"])
+        w.writeheader()
+        w.writerows(rows)
+    pacs = Orthanc(tmp_path / "orthanc").start()
+    try:
+        DICOMwebClient(pacs.dicomweb).store_instances(datasets)
+        args = [str(gtafl_pkg), "--labels", str(tmp_path / "labels.csv"), "--require", "accuracy>=0.0"]
+        remote = subprocess.run([*TAFL, "validate", *args, "--dicomweb", pacs.dicomweb, "--study", study, "--out",
+                                 str(tmp_path / "remote")], capture_output=True, text=True, timeout=300)
+        assert remote.returncode == 0, remote.stderr
+    finally:
+        pacs.stop()
+    local = subprocess.run([*TAFL, "validate", *args[:1], str(folder), *args[1:], "--out", str(tmp_path / "local")],
+                           capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+    a, b = (json.loads((tmp_path / k / "validation.json").read_text()) for k in ("remote", "local"))
+    assert a["data"]["images"] == b["data"]["images"] == 40 and study in a["data"]["root"]
+    for key in ("per_class", "rules", "confusion", "calibration", "roc", "refused"):
+        assert a[key] == b[key], key
+    neither = subprocess.run([*TAFL, "validate", str(gtafl_pkg), "--labels", str(tmp_path / "labels.csv"), "--out",
+                              str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    assert neither.returncode == 2 and "DATA" in neither.stderr and "--dicomweb" in neither.stderr
