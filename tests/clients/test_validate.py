@@ -192,6 +192,20 @@ def test_the_report_renders_in_chromium_and_prints_with_its_charts(report, tmp_p
         assert pdf.startswith(b"%PDF") and pdf.count(b"/Type /Page") >= 2
     finally:
         drv.quit()
+    if not shutil.which("pdftoppm"):
+        pytest.skip("needs poppler's pdftoppm (Debian: poppler-utils) to read the PDF back")
+    (tmp_path / "r.pdf").write_bytes(pdf)
+    subprocess.run(["pdftoppm", "-r", "72", "-png", str(tmp_path / "r.pdf"), str(tmp_path / "page")], check=True)
+    pages = [np.asarray(Image.open(p).convert("RGB"), np.int64) for p in sorted(tmp_path.glob("page*.png"))]
+    ink = np.concatenate([p.reshape(-1, 3) for p in pages])
+
+    def near(rgb, tol) -> int:  # pixels of one chart's own colour, anywhere in the printed pages
+        return int((np.abs(ink - np.asarray(rgb)).sum(axis=1) < tol).sum())
+
+    assert near((87, 153, 199), 25) > 50  # the reliability diagram's bars (#1f77b4 at opacity .75)
+    assert near((44, 160, 44), 30) > 10  # the ROC curve of the third class (green, nowhere else on the page)
+    r, g, b = ink.T  # the confusion matrix's filled cells: rgb(s, s, 255), s < 200
+    assert int(((b > 245) & (r < 200) & (np.abs(r - g) < 8)).sum()) > 50
 
 
 def test_headline_numbers_carry_their_interval_in_the_card_and_models(gtafl_pkg, auth_server):
