@@ -155,6 +155,7 @@ NOTHING_TO_DO = {
     "tafl packages list": ["packages", "list", "empty"],
     "tafl predict": ["predict", "x.png", "--url", "http://127.0.0.1:3000/predict"],
     "tafl score": ["score", "empty", "--out", "r.csv", "--package", "pkg"],
+    "tafl validate": ["validate", "no-pkg", "empty", "--labels", "l.csv", "--out", "o"],
     "tafl retrain": ["retrain", "--from", "no-pkg"],
     "tafl serve": ["serve", "no-pkg", "--port", "1"],
     "tafl dicom-listen": ["dicom-listen", "--package", "no-pkg", "--out-dir", "srs"],

@@ -140,7 +140,7 @@ def _client_verbs(sub) -> None:
     va.add_argument("--dicomweb", metavar="URL", help="validate on a PACS's studies over DICOMweb instead of a folder "
                                                       "(the labels name instances by SOP Instance UID; default: none)")
     va.add_argument("--study", action="append", default=[], metavar="UID",
-                    help="with --dicomweb: a study to validate on (repeat it)")
+                    help="with --dicomweb: a study to validate on (repeat it; default: none)")
     va.add_argument("--labels", required=True, metavar="CSV",
                     help="one row per image: its path under DATA (an id without suffix finds .png, .jpg, .dcm) and "
                          "its true class")

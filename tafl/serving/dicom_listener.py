@@ -238,7 +238,9 @@ class Listener:
         self.destination, self.ae_title, self.host, self.port = destination, ae_title, host, port
         self.heatmap, self.max_queue, self.workers = heatmap, max(1, max_queue), max(1, workers)
         self.not_assessed_sr = not_assessed_sr  # an image outside the model's domain: an SR saying "not assessed"
-        site = os.environ.get("TAFL_SITE", "").strip()  # the site whose own prediction-set thresholds it files
+        from tafl.settings import env_str
+
+        site = env_str("TAFL_SITE")  # the training site whose own prediction-set thresholds it files
         self.site = site if site and self.pkg.meta.sets.fitted and site in self.pkg.meta.sets.sites else None
         self.spool = Path(spool)
         self.deliver_retries, self.retry_pause = deliver_retries, retry_pause
