@@ -2,13 +2,16 @@
 sites sees when it validates the package on its own test fold.
 
     python benchmarks/validate_cost.py [--run benchmarks/out/domain_gtafl_sites_s1] [--repeats 3]
+        [--core-python .venv-core/bin/python]
 
 The package: the run's checkpoint exported (the recommended GTAFL configuration on the four Fed-ISIC2019 sites of
 HAM10000, from benchmarks/domain_detection.py). The folder: the split's test fold (2,003 JPEGs, linked into one
 folder). Side by side in one run, alternating, `repeats` times each: `tafl score FOLDER --package PKG` and `tafl
 validate PKG FOLDER --labels CSV` (its report's pictures included), each a fresh process; the ratio of the median
 times is the target (at most 1.2). Then each site validates on its own test fold, with a criterion taken from
-the card (balanced accuracy at least 0.3). Writes benchmarks/results/validate_cost.json and .md.
+the card (balanced accuracy at least 0.3). `--core-python`: the timed commands run under the core install's
+interpreter (no torch; this checkout on its path), as a site would run them. Writes
+benchmarks/results/validate_cost.json and .md.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,9 +51,9 @@ def folder(rows: list[dict], where: Path) -> tuple[Path, Path]:
     return img, where / "labels.csv"
 
 
-def timed(cmd: list[str], ok: tuple[int, ...] = (0, 1)) -> float:
+def timed(cmd: list[str], ok: tuple[int, ...] = (0, 1), env: dict | None = None) -> float:
     t0 = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode not in ok:
         raise SystemExit(f"{' '.join(cmd)} failed: {run.stderr[-2000:]}")
     return time.perf_counter() - t0
@@ -60,6 +64,7 @@ def main() -> None:
     p.add_argument("--run", default=str(REPO / "benchmarks" / "out" / "domain_gtafl_sites_s1"),
                    help="a trained run folder (default: benchmarks/out/domain_gtafl_sites_s1)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each command (default 3)")
+    p.add_argument("--core-python", help="time the commands under this interpreter (default: this one)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "validate_cost"),
                    help="results path without suffix (default: benchmarks/results/validate_cost)")
     args = p.parse_args()
@@ -70,11 +75,13 @@ def main() -> None:
                         "gtafl-sites"], check=True, capture_output=True)
         img, labels = folder(test_rows(), tmp / "all")
         times: dict[str, list[float]] = {"score": [], "validate": []}
+        run_with = [args.core_python, "-m", "tafl.cli"] if args.core_python else TAFL
+        env = {**os.environ, "PYTHONPATH": str(REPO)} if args.core_python else None
         for k in range(args.repeats):
-            times["score"].append(timed([*TAFL, "score", str(img), "--package", str(pkg), "--out",
-                                         str(tmp / f"s{k}.csv")]))
-            times["validate"].append(timed([*TAFL, "validate", str(pkg), str(img), "--labels", str(labels),
-                                            "--out", str(tmp / f"v{k}")]))
+            times["score"].append(timed([*run_with, "score", str(img), "--package", str(pkg), "--out",
+                                         str(tmp / f"s{k}.csv")], env=env))
+            times["validate"].append(timed([*run_with, "validate", str(pkg), str(img), "--labels", str(labels),
+                                            "--out", str(tmp / f"v{k}")], env=env))
         ratio = statistics.median(times["validate"]) / statistics.median(times["score"])
         sites = {}
         for site in sorted({r["center_name"] for r in test_rows()}):
@@ -90,11 +97,13 @@ def main() -> None:
                            "ece": rep["calibration"]["ece"],
                            "set_coverage": (rep.get("sets") or {}).get("coverage"),
                            "below_claim": [n for n, v in rep["per_class"].items() if v["below_claim"]]}
-    res = {"images": len(test_rows()), "repeats": args.repeats, "seconds": times, "ratio_of_medians": ratio,
+    res = {"images": len(test_rows()), "repeats": args.repeats, "python": args.core_python or sys.executable,
+           "seconds": times, "ratio_of_medians": ratio,
            "sites": sites}
     Path(args.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
     lines = ["# Validation against scoring (issue 55)", "",
-             f"{res['images']} HAM10000 test images; {args.repeats} alternating runs of each, fresh processes.", "",
+             f"{res['images']} HAM10000 test images; {args.repeats} alternating runs of each, fresh processes "
+             f"({'the core install' if args.core_python else 'the full install'}).", "",
              "| command | seconds (each run) | median |", "| --- | --- | --- |"]
     for k, v in times.items():
         lines.append(f"| tafl {k} | {', '.join(f'{x:.1f}' for x in v)} | {statistics.median(v):.1f} |")
