@@ -137,8 +137,15 @@ def score(pkg: Any, data: Labelled, batch_size: int = 64, threads: int | None = 
             arrays.clear()
             pending.clear()
 
+    from tafl.settings import upload_limit
+
+    limit = upload_limit()  # as the service: a file over its upload limit is not read at all
     for i, path in enumerate(data.paths):
         try:
+            size = path.stat().st_size
+            if size > limit:
+                failed[i] = f"{size / 2**20:.0f} MiB: over the {limit / 2**20:g} MiB upload limit (TAFL_MAX_UPLOAD_MB)"
+                continue
             decoded = decode_image(path.read_bytes())
             pkg.check_domain(decoded)
             arrays.append(pre.to_uint8(decoded.frames[0]))

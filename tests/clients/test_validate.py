@@ -287,3 +287,15 @@ def test_validation_on_a_pacs_over_dicomweb_equals_the_same_files_in_a_folder(gt
     neither = subprocess.run([*TAFL, "validate", str(gtafl_pkg), "--labels", str(tmp_path / "labels.csv"), "--out",
                               str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert neither.returncode == 2 and "DATA" in neither.stderr and "--dicomweb" in neither.stderr
+
+
+def test_a_file_over_the_upload_limit_is_not_read_and_is_named_in_the_report(gtafl_pkg, tmp_path, monkeypatch):
+    from tafl.clients.validate import validate
+
+    img, labels = labelled(tmp_path / "d", n=30)
+    with open(img / "d7.png", "ab") as fh:  # 2 MiB more: over a 1 MiB limit, never decoded
+        fh.write(b"\0" * (2 << 20))
+    monkeypatch.setenv("TAFL_MAX_UPLOAD_MB", "1")
+    rep = validate(gtafl_pkg, img, labels)
+    assert rep["data"]["images"] == 30 and rep["data"]["scored"] == 29
+    assert rep["not_scored"] == [{"id": "d7", "why": "2 MiB: over the 1 MiB upload limit (TAFL_MAX_UPLOAD_MB)"}]
