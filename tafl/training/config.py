@@ -27,7 +27,8 @@ import yaml
 
 from tafl.errors import ConfigError
 from tafl.prior import CALIBRATIONS  # numpy only: the one list of calibration kinds
-from tafl.training.decision import KINDS as DECISIONS  # numpy only
+from tafl.training.decision import CRITERIA as DECISION_CRITERIA  # numpy only
+from tafl.training.decision import KINDS as DECISIONS
 from tafl.training.longtail import HOLDOUT_MODES  # numpy only
 from tafl.training.contract import MethodConfig, config_class, config_classes, config_fields, setting_owner
 from tafl.training.methods import method_names  # the one registry; importing it loads no method (nor torch)
@@ -163,12 +164,18 @@ class RunConfig:
     # classes, each giving at most 30 % of its rows: more rare-class images for the fit; docs/decisions.md, "Class-balanced hold-out")
     calib_holdout_mode: str = "rows"
     calib_rounds: int = 25  # calibration Newton rounds at most
+    # ship the fitted calibration only where it lowers the NLL of the validation split, which it was not fitted on
+    # (tafl.training.calibrate.check_calibration); otherwise the uncalibrated posteriors ship and the report says so
+    calibration_check: bool = True
     calib_l2: float = 1.0  # L2 penalty on the biases and on the spread of vector scaling's per-class scales
     # the plain decision's operating point: argmax | validation (label = argmax(z − τ·log π), τ chosen on the
-    # validation split by its uniform-prior macro F1: post-hoc logit adjustment, tafl.training.decision; the
-    # probabilities are unchanged). GTAFL and CReFF: every expert's bias moves by the same −τ·log π, τ from −1 to 1
-    # chosen by the vote's validation macro F1 (the experts' probabilities carry the move; docs/decisions.md, "Shifted experts")
+    # validation split: post-hoc logit adjustment, tafl.training.decision; the probabilities are unchanged).
+    # GTAFL and CReFF: every expert's bias moves by the same −τ·log π, τ from −1 to 1 chosen by the vote's
+    # validation criterion (the experts' probabilities carry the move; docs/decisions.md, "Shifted experts")
     decision: str = "argmax"
+    # what τ maximises on validation: mixes (the mean over the eleven case mixes of the prior-weighted accuracy,
+    # the product's promise) | macro_f1 (the macro F1 under a uniform class prior, the first criterion)
+    decision_criterion: str = "mixes"
     adapt_sizes: str = "100,500"  # unlabeled images per prior estimate in the evaluation, comma-separated
     adapt_draws: int = 5  # draws of unlabeled images per distribution and size in the evaluation
     # the case-mix estimator's Dirichlet smoothing toward the uniform mix, in pseudo-images (tafl.prior.PriorEstimator):

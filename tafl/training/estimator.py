@@ -24,8 +24,8 @@ def choose_operating_point(method: Method, state: GlobalState, ds: Dataset, cfg:
     state = method.choose_operating_point(state, ds.val.images, ds.val.labels, cfg.eval_batch_size)
     rec = state.meta["decision"]
     base = rec["scores"]["0.0"]
-    log.info("operating point: tau %.1f on %d validation images (uniform-prior macro F1 %.1f%% against %.1f%% "
-             "at the argmax)", rec["tau"], rec["validation_images"], 100 * rec["scores"][f"{rec['tau']:.1f}"],
+    log.info("operating point: tau %.1f on %d validation images (%s %.1f%% against %.1f%% at tau 0)",
+             rec["tau"], rec["validation_images"], rec["criterion"], 100 * rec["scores"][f"{rec['tau']:.1f}"],
              100 * base)
     return state
 

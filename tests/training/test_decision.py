@@ -10,8 +10,9 @@ pytest.importorskip("torch", reason="needs torch: the train extra (pip install -
 
 from tafl.errors import ConfigError  # noqa: E402
 from tafl.training.decision import (  # noqa: E402
-    GRID, check_record, offset_for, select_operating_point, uniform_macro_f1)
-from tafl.training.evaluate import uniform_metrics  # noqa: E402
+    GRID, check_record, mixes_accuracy, offset_for, search_operating_point, select_operating_point, uniform_macro_f1)
+from tafl.training.evaluate import evaluate_outputs, uniform_metrics  # noqa: E402
+from tafl.training.longtail import ranks_from_counts  # noqa: E402
 
 
 def _long_tailed_logits(rng, n_per_class=(400, 200, 80, 20), margin=1.2):
@@ -35,6 +36,38 @@ def test_uniform_macro_f1_is_the_reports_metric():
         p = rng.integers(0, 5, 300)
         want = uniform_metrics(np.full((300, 5), 0.2), p, y, 5)["macro_f1"]
         assert uniform_macro_f1(p, y, 5) == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Only one class is present:UserWarning")
+def test_the_mixes_criterion_is_the_reports_mean_of_the_eleven():
+    """`mixes_accuracy` on any rows is what the report calls the mean of the eleven (tafl.training.evaluate), absent
+    classes included."""
+    rng = np.random.default_rng(3)
+    for absent in (None, 4):
+        y = rng.integers(0, 6, 500)
+        if absent is not None:
+            y[y == absent] = 1
+        p = np.where(rng.random(500) < 0.6, y, rng.integers(0, 6, 500))
+        ranks = rng.permutation(6)
+        want = evaluate_outputs(np.full((500, 6), 1 / 6), p, y, ranks)["average_accuracy"]
+        assert mixes_accuracy(p, y, ranks) == pytest.approx(want, abs=1e-12)
+
+
+def test_each_criterion_chooses_its_own_best_and_the_default_is_the_range_of_mixes():
+    rng = np.random.default_rng(4)
+    z, y, prior = _long_tailed_logits(rng, margin=0.8)
+    ranks = ranks_from_counts(prior)
+    mixes, f1 = select_operating_point(z, y, prior), select_operating_point(z, y, prior, criterion="macro_f1")
+    assert mixes["criterion_key"] == "mixes" and f1["criterion_key"] == "macro_f1"
+    assert "eleven case mixes" in mixes["criterion"] and "macro F1" in f1["criterion"]
+    for t in GRID:  # every τ's score is that criterion's value of the rule it makes
+        pred = (z + offset_for(t, prior)).argmax(1)
+        assert mixes["scores"][f"{t:.1f}"] == pytest.approx(mixes_accuracy(pred, y, ranks), abs=1e-12)
+        assert f1["scores"][f"{t:.1f}"] == pytest.approx(uniform_macro_f1(pred, y, 4), abs=1e-12)
+    assert mixes["scores"][f"{mixes['tau']:.1f}"] == max(mixes["scores"].values())
+    assert f1["scores"][f"{f1['tau']:.1f}"] == max(f1["scores"].values())
+    with pytest.raises(ValueError, match="unknown operating-point criterion 'auc'"):
+        search_operating_point(lambda o: z.argmax(1), y, prior, 4, criterion="auc")
 
 
 def test_the_offset_raises_rare_recall_and_is_chosen_on_the_data_given():
@@ -77,6 +110,8 @@ def test_config_refuses_unknown_decision_kinds_and_takes_one_for_every_method(sm
     replace(smoke_cfg, method="gtafl", decision="validation").validate()  # the experts' common move (test_expert_form)
     with pytest.raises(ConfigError, match="'decision'.*choose one of argmax, validation"):
         replace(smoke_cfg, decision="balanced").validate()
+    with pytest.raises(ConfigError, match="'decision_criterion'.*choose one of mixes, macro_f1"):
+        replace(smoke_cfg, decision_criterion="f1").validate()
     replace(smoke_cfg, method="dafl", decision="validation").validate()
 
 
@@ -110,6 +145,9 @@ def test_training_reports_and_exports_the_operating_point(op_run, tmp_path):
     rec = report["decision"]
     assert rec["validation_images"] > 0 and rec["tau"] in GRID
     assert rec["scores"][f"{rec['tau']:.1f}"] >= rec["scores"]["0.0"]
+    # the default criterion is the report's own mean of the eleven, on the validation split at the chosen point
+    assert rec["criterion_key"] == "mixes"
+    assert rec["scores"][f"{rec['tau']:.1f}"] == pytest.approx(report["validation"]["average_accuracy"], abs=1e-9)
     assert "Operating point" in (op_run / "report.md").read_text()
     ck = load_checkpoint(op_run / "final.pt")
     assert ck["state"]["meta"]["decision"] == rec

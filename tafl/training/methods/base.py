@@ -151,7 +151,8 @@ class ClassifierMethod(Method):
 
         module = self.inference_model(state).to(self.device)
         out = predict(module, images, self.normalize, batch_size, keys=("logits",))
-        rec = select_operating_point(out["logits"], labels, self.default_source_prior(state))
+        rec = select_operating_point(out["logits"], labels, self.default_source_prior(state),
+                                     criterion=self.cfg.decision_criterion, ranks=self.training_ranks(state))
         return GlobalState(state.weights, state.extras, dict(state.meta, decision=rec))
 
     def attach_server_pool(self, images_u8: torch.Tensor | None) -> None:
@@ -192,6 +193,12 @@ class ClassifierMethod(Method):
         """The prior the uncalibrated posteriors describe: the training data's class mix."""
         counts = state.extras["global_counts"].numpy().astype(np.float64)
         return counts / counts.sum() if counts.sum() > 0 else np.full(len(counts), 1.0 / len(counts))
+
+    def training_ranks(self, state: GlobalState) -> np.ndarray:
+        """(C,) the training classes' frequency ranks (0 the most frequent): how the eleven case mixes are ranked."""
+        from tafl.training.longtail import ranks_from_counts
+
+        return ranks_from_counts(state.extras["global_counts"].numpy().astype(np.float64))
 
     # ---- helpers ----
     def normalize(self, batch_u8: torch.Tensor) -> torch.Tensor:

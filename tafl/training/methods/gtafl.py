@@ -473,7 +473,7 @@ class GTAFL(ClassifierMethod):
     def choose_operating_point(self, state: GlobalState, images: np.ndarray, labels: np.ndarray,
                                batch_size: int) -> GlobalState:
         """The experts' common move, chosen on validation: every expert's bias + offset(τ) = −τ·log(training mix),
-        τ in [−1, 1] maximising the vote's uniform-prior macro F1 (tafl.training.decision). The move goes into the
+        τ in [−1, 1] maximising the vote's validation criterion (tafl.training.decision, `decision_criterion`). The move goes into the
         experts' biases, so the vote, the exported graph and the experts' probabilities all carry it; the experts
         keep their order (the same move for all). Their posteriors still aim at the uniform prior the move was
         chosen for, so calibration (fitted after this) and the source prior are unchanged in kind."""
@@ -493,7 +493,8 @@ class GTAFL(ClassifierMethod):
                 return module.vote_from(moved.to(module.vote_weights.device))["label"].cpu().numpy()
 
         rec = search_operating_point(vote, labels, train_mix, logp.shape[-1], SIGNED_GRID, kind="expert_shift",
-                                     criterion="the experts' vote's macro F1 under a uniform class prior")
+                                     criterion=self.cfg.decision_criterion, ranks=self.training_ranks(state),
+                                     subject="the experts' vote's ")
         offset = np.asarray(rec["offset"])
         extras = dict(state.extras)
         extras["expert.bias"] = (state.extras["expert.bias"] + torch.as_tensor(offset, dtype=torch.float32)).clone()
