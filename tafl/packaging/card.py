@@ -48,8 +48,16 @@ def _prior_line(pr: PriorSpec) -> str:
     if est.chosen == "validation":
         images = est.validation_images
         how += f" (the smoothing chosen on {'?' if images is None else images} validation images)"
-    text = (f"Posteriors: {pr.posteriors}, calibration **{pr.calibration}**. An explicit prior decides "
-            f"by the Bayes rule; `prior=adaptive` estimates the served mix by {how}.")
+    text = (f"Posteriors: {pr.posteriors}, calibration **{pr.calibration}**")
+    check = (pr.fit or {}).get("check") or {}
+    if check.get("checked") and check.get("shipped"):
+        text += (f" (it lowered the NLL of {check.get('images', '?')} validation images it was not fitted on, "
+                 f"{check.get('nll_uncalibrated', float('nan')):.3f} to {check.get('nll_calibrated', float('nan')):.3f})")
+    elif check.get("checked"):
+        text += (f" (a {check.get('kind', '?')} calibration was fitted and not shipped: it raised the NLL of "
+                 f"{check.get('images', '?')} validation images, {check.get('nll_uncalibrated', float('nan')):.3f} "
+                 f"to {check.get('nll_calibrated', float('nan')):.3f})")
+    text += f". An explicit prior decides by the Bayes rule; `prior=adaptive` estimates the served mix by {how}."
     if pr.adaptive_check and not pr.adaptive_check.recommended:
         text += (" On this model's validation split adapting lost to its own decision, so `prior=adaptive` keeps the "
                  "source prior.")

@@ -101,3 +101,59 @@ def calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Run
              cfg.calibration, calibration.temperature, calibration.fit["images"], len(cover or members or []),
              calibration.fit["nll_before"], calibration.fit["nll_after"], calibration.fit["iterations"])
     return GlobalState(state.weights, state.extras, dict(state.meta, calibration=calibration.to_dict()))
+
+
+def nll_at_mix(cal, z: np.ndarray, labels: np.ndarray, mix: np.ndarray, source: np.ndarray | None = None) -> float:
+    """The mean NLL of `labels` under the posteriors of calibration `cal` (a tafl.prior.Calibration) on logits z,
+    moved by Bayes' rule from the prior they describe (`source`, default the calibration's source prior) to `mix`;
+    in log space, so a confidently wrong posterior costs what it should (no clipping)."""
+    src = np.asarray(cal.source_prior if source is None else source, np.float64)
+    with np.errstate(divide="ignore"):
+        u = cal.logits(z) + np.log(np.asarray(mix, np.float64)) - np.log(np.clip(src, 1e-300, None))
+    m = u.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(u - m).sum(axis=1, keepdims=True)))[:, 0]
+    y = np.asarray(labels, np.int64)
+    return float((lse - u[np.arange(len(y)), y]).mean())
+
+
+def check_calibration(method: Method, state: GlobalState, images: np.ndarray, labels: np.ndarray,
+                      batch_size: int) -> GlobalState:
+    """Ship the fitted calibration only where it improves the NLL of rows it was not fitted on: the server's
+    validation split (the calibration is fitted on the clients' held-out rows). Both posteriors, the calibrated
+    and the method's own (under `default_source_prior`), are first moved to the validation rows' class mix by Bayes'
+    rule, so the comparison is of what every prior-aware rule uses, the likelihood ratios, not of which prior each
+    describes. Where the calibrated NLL is not lower the state carries the identity calibration instead, its `fit`
+    recording the check (the report and the card say so); without validation rows nothing is checked and
+    `fit.check` says that."""
+    from tafl.prior import Calibration
+    from tafl.training.evaluate import predict
+
+    C = int(method.model_cfg.num_classes)
+    fitted = Calibration.from_dict(state.meta.get("calibration"), C)
+    if fitted.kind == "none":
+        return state
+    y = np.asarray(labels, np.int64)
+    if len(y) == 0:
+        fitted.fit["check"] = {"checked": False, "shipped": True, "why": "no validation rows to check it on"}
+        return GlobalState(state.weights, state.extras, dict(state.meta, calibration=fitted.to_dict()))
+    module = method.inference_model(state).to(method.device)
+    z = method.posterior_logits(predict(module, images, method.normalize, batch_size, keys=method.output_keys))
+    mix = np.bincount(y, minlength=C) / len(y)
+    own = np.asarray(method.default_source_prior(state), np.float64)
+    nll = {"calibrated": nll_at_mix(fitted, z, y, mix), "uncalibrated": nll_at_mix(Calibration(), z, y, mix, own)}
+    shipped = nll["calibrated"] < nll["uncalibrated"]
+    check = {"checked": True, "shipped": bool(shipped), "images": int(len(y)), "split": "validation",
+             "at": "the validation rows' class mix", "nll_calibrated": nll["calibrated"],
+             "nll_uncalibrated": nll["uncalibrated"], "kind": fitted.kind}
+    if shipped:
+        fitted.fit["check"] = check
+        keep = fitted
+        log.info("calibration check: validation NLL %.4f calibrated against %.4f uncalibrated on %d images: shipped",
+                 nll["calibrated"], nll["uncalibrated"], len(y))
+    else:
+        check["why"] = (f"the fitted {fitted.kind} calibration raised the NLL of {len(y)} validation images it was "
+                        f"not fitted on ({nll['uncalibrated']:.4f} uncalibrated, {nll['calibrated']:.4f} "
+                        "calibrated): the uncalibrated posteriors ship")
+        keep = Calibration(source_prior=own, fit={"check": check, "rejected": fitted.to_dict()})
+        log.warning("calibration check: %s", check["why"])
+    return GlobalState(state.weights, state.extras, dict(state.meta, calibration=keep.to_dict()))

@@ -50,6 +50,7 @@ FIXED_CHOICES: dict[str, tuple[str, ...]] = {
     "calibration": CALIBRATIONS,
     "calib_holdout_mode": HOLDOUT_MODES,
     "decision": DECISIONS,
+    "decision_criterion": DECISION_CRITERIA,
     "tokenizer": ("patch", "conv"),
     "engine": ("simulator", "flower"),
     "select": ("last", "val"),

@@ -39,6 +39,14 @@ def prior_adaptation(report: dict[str, Any], method: Method, state: GlobalState,
                                     estimate=lambda p: estimator.estimate(p, source).prior, plain=out["label"],
                                     boot=GAP_BOOT if split == "test" else 0)
         res["nll"] = float(-np.log(np.clip(probs[np.arange(len(labels)), labels], 1e-12, None)).mean())
+        if len(labels):  # the calibration check's comparison (tafl.training.calibrate), on this split's rows
+            from tafl.training.calibrate import nll_at_mix
+
+            z = method.posterior_logits(out)
+            mix = np.bincount(labels, minlength=C) / len(labels)
+            res["nll_at_mix"] = nll_at_mix(calib, z, labels, mix, source)
+            res["nll_uncalibrated_at_mix"] = nll_at_mix(Calibration(), z, labels, mix,
+                                                        method.default_source_prior(state))
         if target is not None:
             for name, d in res["distributions"].items():
                 target["test_distributions"][name].update(d)

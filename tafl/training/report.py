@@ -151,6 +151,21 @@ def site_table(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def calibration_text(pa: dict[str, Any]) -> str:
+    """How the report's posteriors are calibrated, and whether the validation check shipped the fit."""
+    cal = pa["calibration"]
+    check = cal.get("fit", {}).get("check") or {}
+    how = (f"calibrated ({cal['kind']}, T {cal['temperature']:.3f}, fitted federatedly on "
+           f"{cal.get('fit', {}).get('images', '?')} held-out client images)" if pa.get("calibrated")
+           else "uncalibrated (no calibration round; `--calibration vector --calib-holdout 0.1`)")
+    if check.get("checked") and check.get("shipped"):
+        how += (f", checked on {check['images']} validation images: NLL {check['nll_uncalibrated']:.4f} "
+                f"uncalibrated, {check['nll_calibrated']:.4f} calibrated")
+    elif check.get("checked"):
+        how = f"uncalibrated: {check['why']}"
+    return how
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     lines = [f"# {r['method']} on {r['dataset']}", ""]
     lines += [f"Kept model: round {r.get('selected_round')} ({r.get('selection', 'last')}); "
@@ -177,10 +192,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         lines += distribution_table({name: {"test_distributions": e} for name, e in r["experts"].items()})
     pa = r.get("prior_adaptation")
     if pa:
-        cal = pa["calibration"]
-        how = (f"calibrated ({cal['kind']}, T {cal['temperature']:.3f}, fitted federatedly on "
-               f"{cal.get('fit', {}).get('images', '?')} held-out client images)" if pa.get("calibrated")
-               else "uncalibrated (no calibration round; `--calibration vector --calib-holdout 0.1`)")
+        how = calibration_text(pa)
         from tafl.prior import PriorEstimator
 
         est = pa.get("estimator") or {}

@@ -25,7 +25,7 @@ import torch
 
 import tafl
 from tafl.errors import ConfigError
-from tafl.training.calibrate import CALIB_KEYS, calibrate, calibration_problem  # noqa: F401  (re-exported)
+from tafl.training.calibrate import CALIB_KEYS, calibrate, calibration_problem, check_calibration  # noqa: F401
 from tafl.training.checkpoint import save_checkpoint
 from tafl.training.checkpoint_eval import evaluate_checkpoint
 from tafl.training.config import RunConfig
@@ -179,6 +179,8 @@ def _finalise(method: Method, state: GlobalState, transport: Transport, cfg: Run
         kept = choose_operating_point(method, kept, ds, cfg)
     if cfg.calibration != "none" and "calibration" not in kept.meta:
         kept = calibrate(method, kept, transport, cfg, book)
+        if cfg.calibration_check:
+            kept = check_calibration(method, kept, ds.val.images, ds.val.labels, cfg.eval_batch_size)
     if "calibration" not in kept.meta:  # uncalibrated: record the prior its posteriors describe, for the package
         from tafl.prior import Calibration
 
