@@ -146,7 +146,11 @@ def test_a_site_run_trains_and_reports_each_site_on_its_own_mix(tmp_path):
     assert met["pooled_balanced_accuracy"] == report["pooled_balanced_accuracy"]
     card = pkg.card.split("### Per site", 1)[1].split("\n## ", 1)[0]
     own = 100 * report["sites"]["north"]["own"]["accuracy"]
-    assert f"| north | {report['sites']['north']['n_test']} | {own:.1f}% |" in card
+    n_north = report["sites"]["north"]["n_test"]
+    from tafl.intervals import wilson
+
+    _, lo, hi = wilson(report["sites"]["north"]["own"]["accuracy"] * n_north, n_north)  # the share with its interval
+    assert f"| north | {n_north} | {own:.1f}% ({100 * lo:.1f}–{100 * hi:.1f}%) |" in card
     assert f"| all sites pooled | {n} | — | {100 * report['pooled_balanced_accuracy']:.1f}% | — | — | — |" in card
 
 
