@@ -443,6 +443,7 @@ def em_prior(probs: np.ndarray, source: np.ndarray, tol: float = 1e-6, max_iter:
 # pseudo-images, chosen among on validation
 SMOOTHING_GRID = (0.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0)
 CENTERS = ("uniform", "source", "train", "site")
+ESTIMATOR_KINDS = ("em", "confusion")
 
 
 @dataclass
@@ -470,6 +471,14 @@ class PriorEstimator:
     record: dict[str, Any] = field(default_factory=dict)
     center_mix: tuple[float, ...] | None = None  # center "train" (and "site" without a site mix): the training mix
     site_mix: tuple[float, ...] | None = None  # center "site": the deploying site's own mix (`for_site`, at deployment)
+    # kind "confusion": the served posteriors' mean seen through M (C, C), M[y, j] the mean probability of j over
+    # validation images of class y (`soft_confusion`): soft BBSE (Lipton et al. 2018, `confusion_prior`), which stays
+    # consistent however the posteriors are calibrated; None: EM on the posteriors themselves
+    confusion: tuple[tuple[float, ...], ...] | None = None
+
+    @property
+    def kind(self) -> str:
+        return "em" if self.confusion is None else "confusion"
 
     def for_site(self, mix: Any) -> PriorEstimator:
         """This estimator at a site that knows its own class mix (counts or shares, one per class). Only a `site`
@@ -480,7 +489,7 @@ class PriorEstimator:
         if arr.ndim != 1 or arr.size < 2 or not np.isfinite(arr).all() or (arr < 0).any() or arr.sum() <= 0:
             raise ConfigError(f"a site mix must be one non-negative count per class, not all zero, got {arr.tolist()}")
         return PriorEstimator(self.pseudo_count, self.center, self.record, self.center_mix,
-                              tuple(float(v) for v in arr / arr.sum()))
+                              tuple(float(v) for v in arr / arr.sum()), self.confusion)
 
     def center_prior(self, source: np.ndarray) -> np.ndarray:
         src = np.asarray(source, np.float64)
@@ -495,13 +504,19 @@ class PriorEstimator:
         return src / src.sum()
 
     def estimate(self, probs: np.ndarray, source: np.ndarray, **kw: Any) -> PriorEstimate:
+        if self.confusion is not None:
+            return confusion_prior(probs, np.asarray(self.confusion, np.float64), source,
+                                   pseudo_count=self.pseudo_count, center=self.center_prior(source), **kw)
         return em_prior(probs, source, pseudo_count=self.pseudo_count, center=self.center_prior(source), **kw)
 
     def to_dict(self) -> dict[str, Any]:
         mix = {"center_mix": [float(v) for v in self.center_mix]} if self.center in ("train", "site") else {}
         if self.site_mix is not None:
             mix["site_mix"] = [float(v) for v in self.site_mix]
-        return {"kind": "em", "pseudo_count": float(self.pseudo_count), "center": self.center, **mix, **self.record}
+        if self.confusion is not None:
+            mix["confusion"] = [list(row) for row in self.confusion]
+        return {"kind": self.kind, "pseudo_count": float(self.pseudo_count), "center": self.center, **mix,
+                **self.record}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> PriorEstimator:
@@ -527,18 +542,40 @@ class PriorEstimator:
                 raise ConfigError(f"prior estimator center '{center}' needs center_mix: the training class shares, "
                                   f"got {d.get('center_mix')!r}")
             mix = tuple(float(v) for v in mix / mix.sum())
+        kind = str(d.get("kind", "em"))
+        if kind not in ESTIMATOR_KINDS:
+            raise ConfigError(f"prior estimator kind must be one of {', '.join(ESTIMATOR_KINDS)}, got {kind!r}")
+        confusion = None
+        if kind == "confusion":
+            try:
+                M = np.asarray(d.get("confusion"), np.float64)
+            except (TypeError, ValueError):
+                M = np.zeros(0)
+            if M.ndim != 2 or M.shape[0] != M.shape[1] or M.shape[0] < 2 or not np.isfinite(M).all() or \
+                    (M < 0).any() or not np.allclose(M.sum(1), 1.0, atol=1e-6):
+                raise ConfigError("prior estimator kind 'confusion' needs `confusion`: a square matrix whose rows "
+                                  f"are probability vectors, got {d.get('confusion')!r}")
+            confusion = tuple(tuple(float(v) for v in row) for row in M)
         est = cls(a, center, {k: v for k, v in d.items()
-                              if k not in ("kind", "pseudo_count", "center", "center_mix", "site_mix")}, mix)
+                              if k not in ("kind", "pseudo_count", "center", "center_mix", "site_mix", "confusion")},
+                  mix, None, confusion)
         return est.for_site(d["site_mix"]) if d.get("site_mix") is not None else est
 
     def describe(self) -> str:
+        if self.confusion is not None:
+            base = "the confusion-matrix estimator (soft BBSE"
+            return base + (f", with a Dirichlet prior of {self.pseudo_count:g} images toward {self._toward()})"
+                           if self.pseudo_count else ", maximum likelihood)")
         if not self.pseudo_count:
             return "EM (maximum likelihood)"
+        return f"EM with a Dirichlet prior of {self.pseudo_count:g} images toward {self._toward()}"
+
+    def _toward(self) -> str:
         toward = {"uniform": "the uniform mix", "source": "the mix the model's probabilities assume",
                   "train": "the training images' mix",
                   "site": "the site's own mix" if self.site_mix is not None else
                   "the site's own mix (none given: the training images' mix)"}[self.center]
-        return f"EM with a Dirichlet prior of {self.pseudo_count:g} images toward {toward}"
+        return toward
 
 
 # ------------------------------------------------------------------ confusion-based estimation
@@ -571,11 +608,12 @@ def confusion_from_stats(total: np.ndarray, count: np.ndarray, floor: float = 1e
 
 
 def confusion_prior(probs: np.ndarray, confusion: np.ndarray, source: np.ndarray, tol: float = 1e-6,
-                    max_iter: int = 500, pseudo_count: float = 0.0, floor: float = 1e-8) -> PriorEstimate:
+                    max_iter: int = 500, pseudo_count: float = 0.0, floor: float = 1e-8,
+                    center: np.ndarray | None = None) -> PriorEstimate:
     """The maximum-likelihood prior q of the target's predictions seen through the channel M: the mean
     predicted distribution of the N images is modelled as q·M (soft BBSE solved by EM, which keeps q on
-    the simplex). `pseudo_count` adds that many images' worth of the source prior (a Dirichlet MAP
-    estimate that shrinks small samples toward the source). With no images: the source prior."""
+    the simplex). `pseudo_count` adds that many images' worth of `center` (default the source prior: a Dirichlet
+    MAP estimate that shrinks small samples toward it). With no images: the source prior."""
     p = np.asarray(probs, np.float64)
     M = np.asarray(confusion, np.float64)
     src = np.clip(np.asarray(source, np.float64), floor, None)
@@ -587,12 +625,13 @@ def confusion_prior(probs: np.ndarray, confusion: np.ndarray, source: np.ndarray
     if n == 0:
         return PriorEstimate(src.copy(), 0, 0, False, 0.0)
     counts = p.sum(0)  # soft counts per predicted class
+    mid = src if center is None else np.asarray(center, np.float64) / np.sum(center)
     q = src.copy()
     converged, it = False, 0
     for it in range(1, max_iter + 1):
         joint = q[:, None] * M  # (true y, predicted j)
         resp = joint / np.maximum(joint.sum(0, keepdims=True), 1e-300)
-        new = np.maximum((resp @ counts + pseudo_count * src) / (n + pseudo_count), floor)
+        new = np.maximum((resp @ counts + pseudo_count * mid) / (n + pseudo_count), floor)
         new /= new.sum()
         if float(np.abs(new - q).max()) < tol:
             q, converged = new, True

@@ -326,12 +326,43 @@ def test_the_smoothing_is_chosen_on_the_rows_given_and_ties_keep_the_smaller():
     z, y = _draw(SOURCE, 1500, 3)
     est = select_prior_smoothing(softmax(z), y, ranks, SOURCE, [100, 500], 3, 0)
     scores = est.record["scores"]
-    assert set(scores) == {f"{a:g}" for a in SMOOTHING_GRID} and est.record["chosen"] == "validation"
+    assert set(scores) == {f"{a:g}" for a in SMOOTHING_GRID} | {f"confusion:{a:g}" for a in SMOOTHING_GRID}
+    assert est.record["chosen"] == "validation" and est.kind == "em"  # exact posteriors: EM, which has no M to fit
     assert scores[f"{est.pseudo_count:g}"] == max(scores.values())
     assert est.pseudo_count <= 50 and scores["1600"] < scores["0"] - 0.01
     # posteriors that decide alone (one-hot): every smoothing scores the same, and the smallest is kept
     flat = select_prior_smoothing(np.eye(C)[y], y, ranks, SOURCE, [100], 2, 0)
     assert len(set(flat.record["scores"].values())) == 1 and flat.pseudo_count == 0
+
+
+def test_the_confusion_estimator_is_chosen_where_the_posteriors_are_poor_and_travels_as_a_record():
+    """Posteriors three times too confident: EM's estimate drifts, soft BBSE's does not (the channel M absorbs the
+    miscalibration). The validation choice, which scores the confusion estimator cross-fitted, picks it; the
+    shipped estimator (M from every validation row) estimates a new mix better than EM; its record round-trips."""
+    from tafl.prior import PriorEstimator, soft_confusion
+    from tafl.training.simulator import select_prior_smoothing
+
+    sample, logits = _gaussian_task()
+    src = np.array([.5, .2, .15, .1, .05])
+    ranks = np.argsort(np.argsort(-src))
+    xs, ys = sample(src, 3000)
+    over = lambda x: softmax(3 * logits(x, src))  # noqa: E731
+    est = select_prior_smoothing(over(xs), ys, ranks, src, [500], 2, 0)
+    assert est.kind == "confusion", est.record["scores"]
+    assert np.allclose(np.asarray(est.confusion), soft_confusion(over(xs), ys, 5))
+    key = f"confusion:{est.pseudo_count:g}"
+    assert est.record["scores"][key] == max(est.record["scores"].values()) > est.record["scores"]["0"]
+    tgt = np.array([.05, .1, .15, .2, .5])
+    xt, _ = sample(tgt, 1000)
+    em = PriorEstimator(0.0, "uniform").estimate(over(xt), src).prior
+    assert total_variation(est.estimate(over(xt), src).prior, tgt) < total_variation(em, tgt) - 0.1
+    back = PriorEstimator.from_dict(est.to_dict())
+    assert back == est and back.to_dict()["kind"] == "confusion" and "soft BBSE" in back.describe()
+    bad = dict(est.to_dict(), confusion=[[0.5, 0.6], [0.5, 0.5]])
+    with pytest.raises(ConfigError, match="square matrix whose rows are probability vectors"):
+        PriorEstimator.from_dict(bad)
+    with pytest.raises(ConfigError, match="kind must be one of em, confusion"):
+        PriorEstimator.from_dict(dict(est.to_dict(), kind="bbse2"))
 
 
 def test_the_services_window_estimates_with_the_packages_estimator():
@@ -344,15 +375,18 @@ def test_the_services_window_estimates_with_the_packages_estimator():
     src = np.array([0.5, 0.5])
     rows = np.tile([0.3, 0.7], (40, 1))
     got = {}
-    for name, est in (("mle", None), ("smooth", PriorEstimator(40.0, "uniform"))):
+    confusion = PriorEstimator(0.0, "uniform", confusion=((0.9, 0.1), (0.1, 0.9)))
+    for name, est in (("mle", None), ("smooth", PriorEstimator(40.0, "uniform")), ("confusion", confusion)):
         mon = PriorMonitor(src, window=40, refresh=40, min_images=10, estimator=est)
         mon.add(rows)
         deadline = time.time() + 10
         while mon.current()[0] is None and time.time() < deadline:
             time.sleep(0.01)
         got[name] = mon.current()[0]
-        assert mon.describe()["estimator"]["pseudo_count"] == (0.0 if est is None else 40.0)
+        assert mon.describe()["estimator"]["pseudo_count"] == (40.0 if name == "smooth" else 0.0)
+        assert mon.describe()["estimator"]["kind"] == ("confusion" if name == "confusion" else "em")
     assert got["mle"][0] < 0.01 and got["smooth"][0] >= 40 * 0.5 / 80 - 1e-9
+    assert got["confusion"][0] == pytest.approx(0.25, abs=1e-4)  # q·M = the rows' mean (0.3, 0.7): q = (0.25, 0.75)
 
 
 def test_the_services_window_is_estimated_at_most_every_min_interval_and_last_on_the_newest_rows():

@@ -58,7 +58,7 @@ def choose_prior_estimator(method: Method, state: GlobalState, ds: Dataset, cfg:
         else:
             est = select_prior_smoothing(probs, ds.val.labels, ranks, source, cfg.adapt_size_list(), cfg.adapt_draws,
                                          cfg.test_seed)
-            key = f"{est.pseudo_count:g}"
+            key = ("" if est.kind == "em" else "confusion:") + f"{est.pseudo_count:g}"
         scores = est.record["scores"]
         log.info("case-mix estimator: %s, chosen on %d validation images (mean adapted accuracy %.1f%% against %.1f%% "
                  "for the maximum-likelihood EM)", est.describe(), len(ds.val.labels),
@@ -72,21 +72,55 @@ def select_prior_smoothing(probs: np.ndarray, labels: np.ndarray, ranks: np.ndar
     the mean over `sizes` of the eleven distributions' mean prior-weighted accuracy of the rule adapted to its
     estimate (`adaptation_accuracies`, the report's protocol, on these rows). Ties: the smaller pseudo-count,
     nearer the maximum-likelihood EM. Returns the tafl.prior.PriorEstimator, its record holding every score."""
-    from tafl.prior import SMOOTHING_GRID, PriorEstimator
+    from tafl.prior import SMOOTHING_GRID, PriorEstimator, soft_confusion
 
     grid = SMOOTHING_GRID if grid is None else grid
-    scores = {}
-    for a in grid:
-        est = PriorEstimator(float(a), "uniform")
-        avg = adaptation_accuracies(probs, labels, ranks, source, sizes, draws, seed,
-                                    estimate=lambda p, e=est: e.estimate(p, source).prior)["average"]
-        scores[f"{a:g}"] = float(np.mean([avg[f"adaptive_{n}"] for n in sizes]))
-    vals = np.round(np.array(list(scores.values())), 12)
-    best = float(grid[int(np.argmax(vals))])  # first maximum: the smallest pseudo-count among ties
-    return PriorEstimator(best, "uniform", {
-        "chosen": "validation", "criterion": f"the mean over n = {', '.join(map(str, sizes))} of the eleven "
-        "distributions' prior-weighted accuracy, adapted to the estimate from n images",
-        "validation_images": int(len(labels)), "scores": scores})
+    C = probs.shape[1]
+
+    def score(est: PriorEstimator, rows: np.ndarray) -> float:
+        avg = adaptation_accuracies(probs[rows], labels[rows], ranks, source, sizes, draws, seed,
+                                    estimate=lambda p: est.estimate(p, source).prior)["average"]
+        return float(np.mean([avg[f"adaptive_{n}"] for n in sizes]))
+
+    every = np.arange(len(labels))
+    scores = {f"{a:g}": score(PriorEstimator(float(a), "uniform"), every) for a in grid}
+    # the confusion-matrix estimator (soft BBSE) fits M on labelled rows: scored cross-fitted (M from one half of
+    # each class's validation rows, the adapted rule scored on the other, and back), never on the rows it fitted
+    folds = confusion_folds(labels, seed)
+    if folds is not None:
+        for a in grid:
+            scores[f"confusion:{a:g}"] = float(np.mean([
+                score(PriorEstimator(float(a), "uniform", confusion=_matrix(soft_confusion(
+                    probs[fit], labels[fit], C))), held) for fit, held in folds]))
+    keys = list(scores)
+    best = keys[int(np.argmax(np.round(np.array(list(scores.values())), 12)))]  # first maximum: EM, smaller count
+    record = {"chosen": "validation", "criterion": f"the mean over n = {', '.join(map(str, sizes))} of the eleven "
+              "distributions' prior-weighted accuracy, adapted to the estimate from n images (the confusion "
+              "estimator's cross-fitted on two halves of the rows)", "validation_images": int(len(labels)),
+              "scores": scores}
+    if best.startswith("confusion:"):
+        M = _matrix(soft_confusion(probs, labels, C))  # the shipped M: from every validation row
+        return PriorEstimator(float(best.split(":")[1]), "uniform", record, confusion=M)
+    return PriorEstimator(float(best), "uniform", record)
+
+
+def _matrix(M: np.ndarray) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(float(v) for v in row) for row in M)
+
+
+def confusion_folds(labels: np.ndarray, seed: int, min_per_class: int = 2) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Two folds of the rows, each class's rows split in half at random: [(fit, held), (held, fit)]; None where a
+    present class has fewer than `min_per_class` rows (its row of M could not be fitted on one half)."""
+    y = np.asarray(labels, np.int64)
+    rng = np.random.default_rng([seed, 4049])
+    first = np.zeros(len(y), bool)
+    for c in np.unique(y):
+        idx = np.flatnonzero(y == c)
+        if len(idx) < min_per_class:
+            return None
+        first[rng.permutation(idx)[: len(idx) // 2]] = True
+    a, b = np.flatnonzero(first), np.flatnonzero(~first)
+    return [(a, b), (b, a)]
 
 
 def select_prior_smoothing_sites(probs: np.ndarray, labels: np.ndarray, sites: np.ndarray, source: np.ndarray,
