@@ -282,3 +282,46 @@ def test_a_site_gives_its_own_class_mix_as_the_centre_of_the_case_mix_estimate(g
     assert fixed["prior"]["used"] == "site" and fixed["prior"]["prior"][names[7]] == pytest.approx(q_site[7])
     labels = [[r.split(",")[1] for r in (tmp_path / f).read_text().splitlines()] for f in ("f.csv", "e.csv")]
     assert labels[0] == labels[1] and labels[0].count(names[7]) > 4
+
+
+def test_a_package_with_the_confusion_estimator_estimates_through_its_matrix(gtafl_pkg, tmp_path):
+    """A package whose training chose the confusion-matrix estimator (soft BBSE, issue 56): `tafl score --prior
+    adaptive` estimates the folder's mix through the package's M, and the service's window says which estimator
+    runs."""
+    import json
+    import shutil
+
+    from tafl.clients.score import score_folder
+    from tafl.packaging.package import SUMS, write_checksums
+    from tafl.prior import PriorEstimator, confusion_prior, em_prior
+    from tafl.serving.launch import ServerProcess
+
+    dest = tmp_path / "pkg"
+    shutil.copytree(gtafl_pkg, dest)
+    meta = json.loads((dest / "metadata.json").read_text())
+    C = len(meta["prior"]["source_prior"])
+    M = np.full((C, C), 0.3 / (C - 1)) + np.eye(C) * (0.7 - 0.3 / (C - 1))  # 70 % right, the rest spread
+    meta["prior"]["estimator"] = {"kind": "confusion", "pseudo_count": 0.0, "center": "uniform",
+                                  "confusion": M.tolist()}
+    (dest / "metadata.json").write_text(json.dumps(meta))
+    write_checksums(dest, [line.split()[1] for line in (dest / SUMS).read_text().splitlines() if line.strip()])
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"{i:03d}.png").write_bytes(digit_png(i % 10))
+    res = score_folder(folder, tmp_path / "a.csv", package=str(dest), progress=False, prior="adaptive")
+    rows = [r.split(",") for r in (tmp_path / "a.csv").read_text().splitlines()]
+    P = np.array([[float(r[rows[0].index(f"p{c}")]) for c in range(C)] for r in rows[1:]])
+    src = np.asarray(meta["prior"]["source_prior"])
+    names = load_package(dest).class_names
+    got = np.array([res["prior"]["estimate"][n] for n in names])
+    assert np.allclose(got, confusion_prior(P, M, src).prior)
+    assert not np.allclose(got, em_prior(P, src).prior, atol=1e-3)  # not EM's answer
+    assert PriorEstimator.from_dict(meta["prior"]["estimator"]).kind == "confusion"
+    env = {"BENTOML_HOME": str(tmp_path / "bentoml_home"), "TAFL_WORKERS": "1", "TAFL_PRIOR_WINDOW": "64",
+           "TAFL_PRIOR_REFRESH": "4", "TAFL_PRIOR_MIN_IMAGES": str(MIN_IMAGES)}
+    with ServerProcess([str(dest)], env=env, log_path=tmp_path / "service.log") as srv:
+        for i in range(2 * MIN_IMAGES):
+            assert post(srv, i % 10).status_code == 200
+        mix = httpx.get(f"{srv.url}/models", timeout=30).json()["models"][0]["case_mix"]
+    assert mix["estimator"]["kind"] == "confusion" and np.allclose(mix["estimator"]["confusion"], M)
