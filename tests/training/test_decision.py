@@ -53,11 +53,11 @@ def test_the_mixes_criterion_is_the_reports_mean_of_the_eleven():
         assert mixes_accuracy(p, y, ranks) == pytest.approx(want, abs=1e-12)
 
 
-def test_each_criterion_chooses_its_own_best_and_the_default_is_the_range_of_mixes():
+def test_each_criterion_chooses_its_own_best_and_the_default_is_the_macro_f1():
     rng = np.random.default_rng(4)
     z, y, prior = _long_tailed_logits(rng, margin=0.8)
     ranks = ranks_from_counts(prior)
-    mixes, f1 = select_operating_point(z, y, prior), select_operating_point(z, y, prior, criterion="macro_f1")
+    mixes, f1 = select_operating_point(z, y, prior, criterion="mixes"), select_operating_point(z, y, prior)
     assert mixes["criterion_key"] == "mixes" and f1["criterion_key"] == "macro_f1"
     assert "eleven case mixes" in mixes["criterion"] and "macro F1" in f1["criterion"]
     for t in GRID:  # every τ's score is that criterion's value of the rule it makes
@@ -110,7 +110,7 @@ def test_config_refuses_unknown_decision_kinds_and_takes_one_for_every_method(sm
     replace(smoke_cfg, method="gtafl", decision="validation").validate()  # the experts' common move (test_expert_form)
     with pytest.raises(ConfigError, match="'decision'.*choose one of argmax, validation"):
         replace(smoke_cfg, decision="balanced").validate()
-    with pytest.raises(ConfigError, match="'decision_criterion'.*choose one of mixes, macro_f1"):
+    with pytest.raises(ConfigError, match="'decision_criterion'.*choose one of macro_f1, mixes"):
         replace(smoke_cfg, decision_criterion="f1").validate()
     replace(smoke_cfg, method="dafl", decision="validation").validate()
 
@@ -124,8 +124,8 @@ def op_run(tmp_path_factory):
     from tests.conftest import CONFIGS
 
     out = tmp_path_factory.mktemp("op") / "run"
-    train(load_config(CONFIGS / "smoke.yaml", {"decision": "validation", "imbalance_factor": 50}), out,
-          progress=False)
+    train(load_config(CONFIGS / "smoke.yaml", {"decision": "validation", "imbalance_factor": 50,
+                                               "decision_criterion": "mixes"}), out, progress=False)
     return out
 
 
@@ -145,7 +145,7 @@ def test_training_reports_and_exports_the_operating_point(op_run, tmp_path):
     rec = report["decision"]
     assert rec["validation_images"] > 0 and rec["tau"] in GRID
     assert rec["scores"][f"{rec['tau']:.1f}"] >= rec["scores"]["0.0"]
-    # the default criterion is the report's own mean of the eleven, on the validation split at the chosen point
+    # the mixes criterion is the report's own mean of the eleven, on the validation split at the chosen point
     assert rec["criterion_key"] == "mixes"
     assert rec["scores"][f"{rec['tau']:.1f}"] == pytest.approx(report["validation"]["average_accuracy"], abs=1e-9)
     assert "Operating point" in (op_run / "report.md").read_text()
