@@ -13,7 +13,8 @@ threads), drives it with wrk at concurrency 32 posting one 28x28 DermaMNIST PNG 
 ONNX Runtime on two threads, batched by 32; benchmarks/serving_bench.py) just before and just after, so every ratio
 has its own ceiling; a round whose two ceilings differ by more than 1.2x is left out of the per-round ratio (this
 machine's ceiling jumps between two states). Variants alternate within a round, which spreads the shared machine's
-drift over all of them; the median ratio per variant is the result. Writes
+drift over all of them, in reverse order every other round (none always runs first); the median ratio per variant
+is the result. Writes
 benchmarks/results/serving_lanes_NAME.{json,md} (NAME: the package's name).
 """
 
@@ -94,7 +95,9 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(ns.rounds):
-        for name, env in variants.items():
+        # odd rounds run the variants in reverse order: none always runs first on a freshly idle machine
+        order = list(variants.items()) if r % 2 == 0 else list(reversed(variants.items()))
+        for name, env in order:
             vpkg = Path(env["PACKAGE"]).resolve() if "PACKAGE" in env else pkg
             env = {k: v for k, v in env.items() if k != "PACKAGE"}
             before = in_process(vpkg, data)["throughput_img_s"]
