@@ -174,7 +174,8 @@ def sets_line(sets: Sets) -> str:
         return f"Prediction sets: none; {sets.why}."
     level = f"{100 * sets.coverage:g}%"
     line = (f"Prediction sets: every answer lists the classes the model cannot rule out (`prediction_set`). For an "
-            f"image of any class like the {sets.calibration_images or '?'} calibration images, the true class is in "
+            f"image of any class like the {sets.calibration_images or '?'} calibration images"
+            f"{f' ({sets.source})' if sets.source else ''}, the true class is in "
             f"the set with probability at least {level}, whatever the case mix (class-conditional conformal "
             f"prediction; {', '.join(f'{v:g}' for v in sorted(sets.thresholds))} on request).")
     if sets.always_in_set:

@@ -100,6 +100,12 @@ class Sets(Record):
         return _number(self._get("calibration_images"), None)
 
     @property
+    def source(self) -> str | None:
+        """Where the calibration images came from (the clients' held-out rows, the server's validation split)."""
+        v = self._get("source")
+        return str(v) if isinstance(v, str) and v else None
+
+    @property
     def always_in_set(self) -> list[str]:
         """Classes with too few calibration images for the level: in every set."""
         return [str(c) for c in self._get("always_in_set") or []]

@@ -49,6 +49,7 @@ FIXED_CHOICES: dict[str, tuple[str, ...]] = {
     "train_scope": ("all", "head"),
     "calibration": CALIBRATIONS,
     "calib_holdout_mode": HOLDOUT_MODES,
+    "conformal_rows": ("pooled", "held_out"),
     "decision": DECISIONS,
     "decision_criterion": DECISION_CRITERIA,
     "tokenizer": ("patch", "conv"),
@@ -205,8 +206,12 @@ class RunConfig:
     domain_detector: bool = True
     # fit class-conditional conformal prediction sets after training (tafl.training.sets; tafl.conformal): one more
     # round in which each site sends a histogram per class of its held-out rows' scores (without held-out rows: the
-    # server's validation split); not yet under dp_epsilon or secure_aggregation, where none is fitted
+    # server's validation split; under dp_epsilon the validation split alone, no site's rows)
     conformal: bool = True
+    # the sets' calibration rows where the clients hold rows out: pooled (their held-out rows and the server's
+    # validation split, whose rows no calibration was fitted on: more rows of the rare classes, whose thresholds
+    # are loosest) | held_out (the clients' rows alone, for a server whose validation images come from elsewhere)
+    conformal_rows: str = "pooled"
     # what the sites train: all (the whole network) | head (the classifier head only, on the fixed extractor's
     # features of their images as they are, in a whitened basis of head_basis_dim directions the server computes from
     # its unlabeled pool; the extractor stays as the server made it: its seeded initialisation, --pretrain-steps,

@@ -1,7 +1,11 @@
 """Class-conditional conformal prediction sets, fitted after training (tafl.conformal; docs/design.md, "Prediction
 sets"): one statistics round in which every client sends, per class, a histogram of its held-out rows' scores
-(tafl.training.methods.sets); the server sums them and keeps the sum, from which any coverage level's thresholds
-follow. A run without held-out rows (`calib_holdout` 0) calibrates on the server's validation split instead.
+(tafl.training.methods.sets); the server sums them with its validation split's (`conformal_rows: pooled`, the
+default; `held_out`: the sites' alone) and keeps the sum, from which any coverage level's thresholds follow. A run
+without held-out rows (`calib_holdout` 0) calibrates on the server's validation split alone. Pooling gives the rare
+classes, whose thresholds are loosest, more rows; the validation rows fitted no calibration, where the held-out
+rows fitted the calibration whose posteriors the scores are made of (docs/decisions.md, "The sets' calibration
+rows").
 
 With secure aggregation the histograms are one SecAgg+ sum over every site (tafl.training.secagg.sets_layout): whole
 counts, so the thresholds are those of the plaintext sum. Under record-level DP (`--dp-epsilon`) the sets are
@@ -61,7 +65,8 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
     C = int(method.model_cfg.num_classes)
     calibration = state.meta.get("calibration") or {}
     private = cfg.dp_epsilon is not None  # the sites' rows would need noise: the server's own split instead
-    if cfg.calib_holdout > 0 and not private:
+    held = cfg.calib_holdout > 0 and not private
+    if held:
         round_cfg = {"round": cfg.rounds + 4, "seed": cfg.seed, "conformal_stats": calibration}
         results, cost = transport.train(list(range(transport.num_clients)), method.broadcast(state), round_cfg)
         charge(book, cost)
@@ -75,6 +80,7 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
         if not good:
             return not_fitted(state, "no client sent its histograms")
         hist = sum(r.extras[SETS_KEY].double().numpy() for r in good)
+        held_images = int(hist.sum())
         per_site = None
         if site_names and not cfg.secure_aggregation and transport.num_clients == len(site_names):
             per_site = np.zeros((len(site_names), C, conformal.GRID))
@@ -83,24 +89,21 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
         # a secure sum is one combined result: the transport lists the clients in it
         clients = sorted(int(c) for c in (cost.get("answered") or [r.client_id for r in good]))
         source = "the clients' held-out rows" + (", one SecAgg+ sum" if cfg.secure_aggregation else "")
+        if cfg.conformal_rows == "pooled":  # and the server's own validation rows, which no calibration was fitted on
+            val_hist, val_site = validation_histograms(method, state, cfg, val, C, site_names)
+            hist = hist + val_hist
+            if per_site is not None and val_site is not None:
+                per_site = per_site + val_site
+            source += " and the server's validation split"
     else:
-        from tafl.prior import Calibration
-        from tafl.training.evaluate import predict
-
-        module = method.inference_model(state).to(method.device)
-        out = predict(module, val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
-        probs = Calibration.from_dict(calibration, C).probs(method.posterior_logits(out))
-        scores = conformal.true_class_scores(probs, val.labels)
-        hist = conformal.histograms(scores, val.labels, C)
-        per_site = None
-        if site_names and getattr(val, "sites", None) is not None:  # the validation split's rows of each site
-            per_site = np.stack([conformal.histograms(scores[val.sites == k], val.labels[val.sites == k], C)
-                                 for k in range(len(site_names))])
-        source, clients = "the server's validation split" + (
-            " (under DP: the coordinator's own images, no budget spent)" if private else ""), []
+        hist, per_site = validation_histograms(method, state, cfg, val, C, site_names)
+        held_images, clients = 0, []
+        source = "the server's validation split" + (
+            " (under DP: the coordinator's own images, no budget spent)" if private else "")
     counts = hist.sum(axis=1)
     rec = {"fitted": True, "score": "1 - p (calibrated, source prior)", "grid": conformal.GRID, "source": source,
-           "clients": clients, "calibration_images": int(counts.sum()),
+           "clients": clients, "calibration_images": int(counts.sum()), "held_out_images": held_images,
+           "validation_images": int(counts.sum()) - held_images,
            "per_class": [int(c) for c in counts],
            "thresholds": {str(level): [float(t) for t in conformal.class_thresholds(hist, 1 - level)]
                           for level in LEVELS},
@@ -117,6 +120,25 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
     if per_site is not None:
         extras["conformal.site_hist"] = torch.from_numpy(per_site.astype(np.float32))
     return GlobalState(state.weights, extras, dict(state.meta, conformal=rec))
+
+
+def validation_histograms(method: Method, state: GlobalState, cfg: RunConfig, val: Any, C: int,
+                          site_names: list[str] | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The server's validation split's histograms (C, GRID), on the run's calibrated posteriors as the clients score
+    theirs, and each site's part (S, C, GRID) where the split knows its rows' sites, else None."""
+    from tafl.prior import Calibration
+    from tafl.training.evaluate import predict
+
+    module = method.inference_model(state).to(method.device)
+    out = predict(module, val.images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
+    probs = Calibration.from_dict(state.meta.get("calibration") or {}, C).probs(method.posterior_logits(out))
+    scores = conformal.true_class_scores(probs, val.labels)
+    hist = conformal.histograms(scores, val.labels, C)
+    per_site = None
+    if site_names and getattr(val, "sites", None) is not None:  # the validation split's rows of each site
+        per_site = np.stack([conformal.histograms(scores[val.sites == k], val.labels[val.sites == k], C)
+                             for k in range(len(site_names))])
+    return hist, per_site
 
 
 def sets_report(state: GlobalState, probs: np.ndarray, labels: np.ndarray, ranks: np.ndarray,

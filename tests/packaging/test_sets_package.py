@@ -76,6 +76,8 @@ def test_thresholds_are_the_histograms_and_coverage_is_chosen_at_export(gtafl_ru
     assert np.array_equal(out[MASK], out[SCORES] <= np.asarray(sets.thresholds[0.85]))
     card = (tmp_path / "p85" / "README.md").read_text()
     assert "Prediction sets:" in card and "at least 85%" in card
+    source = ck["state"]["meta"]["conformal"]["source"]  # where the calibration images came from, as the card says
+    assert sets.source == source and f"{sets.calibration_images} calibration images ({source})" in card
     with pytest.raises(ConfigError, match="--coverage 1.2"):
         export_checkpoint(gtafl_run / "final.pt", tmp_path / "bad", coverage=1.2)
     assert not (tmp_path / "bad").exists()

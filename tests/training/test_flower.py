@@ -255,7 +255,9 @@ def test_secure_aggregation_with_federated_calibration_fits_on_sums_only(tmp_pat
                            r"clipped", log)
     assert sets_sums == ["0"], log[-3000:]
     sa, sp = secure["conformal"], plain["conformal"]
-    assert sa["fitted"] and sa["source"] == "the clients' held-out rows, one SecAgg+ sum"
+    assert sa["fitted"] and sa["source"] == ("the clients' held-out rows, one SecAgg+ sum and the server's "
+                                             "validation split")
+    assert sa["held_out_images"] == sp["held_out_images"] > 0 and sa["validation_images"] == sp["validation_images"] > 0
     assert sa["clients"] == [0, 1, 2, 3]
     assert sa["calibration_images"] == sp["calibration_images"] > 0 and sa["per_class"] == sp["per_class"]
     ta = _state(tmp_path / "secure" / "final.pt")["meta"]["conformal"]["thresholds"]

@@ -23,10 +23,12 @@ def calibrated_run(tmp_path_factory):
     return out, train(load_config(CONFIGS / "smoke.yaml", over), out, progress=False)
 
 
-def test_the_summed_site_histograms_give_the_pooled_held_out_rows_thresholds(calibrated_run):
-    """Recompute, outside the federation, every client's held-out rows' calibrated posteriors from the checkpoint:
-    the pooled rows' histogram thresholds equal the run's (nothing noised), and lie within one grid bin above the
-    exact pooled quantile."""
+@pytest.mark.parametrize("rows", ["pooled", "held_out"])
+def test_the_summed_site_histograms_give_the_pooled_rows_thresholds(calibrated_run, rows, tmp_path):
+    """Recompute, outside the federation, every client's held-out rows' calibrated posteriors from the checkpoint,
+    and the validation split's: the histogram thresholds of the held-out rows and the validation split together
+    (`conformal_rows: pooled`, the default) or of the held-out rows alone (`held_out`) equal the run's (nothing
+    noised), and lie within one grid bin above the exact quantile of the same rows."""
     from tafl.imaging import Preprocess
     from tafl.prior import Calibration
     from tafl.training.checkpoint import load_checkpoint
@@ -37,26 +39,40 @@ def test_the_summed_site_histograms_give_the_pooled_held_out_rows_thresholds(cal
     from tafl.training.prepare import make_method, prepare
 
     run, report = calibrated_run
+    if rows == "held_out":
+        from tafl.training.config import load_config
+        from tafl.training.simulator import train
+        from tests.conftest import CONFIGS
+
+        run = tmp_path / "held_out"
+        train(load_config(CONFIGS / "smoke.yaml", {"rounds": 2, "calibration": "vector", "calib_holdout": 0.2,
+                                                   "conformal_rows": "held_out"}), run, progress=False)
     ck = load_checkpoint(run / "final.pt")
     cfg = RunConfig.from_dict(ck["run_config"])
     prep = prepare(cfg)
     method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
     state = GlobalState.from_dict(ck["state"])
-    rows = np.concatenate([np.asarray(h, np.int64) for h in prep.holdouts])
     C = len(prep.dataset.class_names)
-    out = predict(method.posterior_module(method.broadcast(state)), prep.train.images[rows], method.normalize,
-                  64, keys=method.output_keys)
+    held = np.concatenate([np.asarray(h, np.int64) for h in prep.holdouts])
+    module = method.posterior_module(method.broadcast(state))
+    images, labels = prep.train.images[held], prep.train.labels[held]
+    if rows == "pooled":
+        images = np.concatenate([images, prep.dataset.val.images])
+        labels = np.concatenate([labels, prep.dataset.val.labels])
+    out = predict(module, images, method.normalize, 64, keys=method.output_keys)
     probs = Calibration.from_dict(state.meta["calibration"], C).probs(method.posterior_logits(out))
-    labels = prep.train.labels[rows]
     scores = conformal.true_class_scores(probs, labels)
     rec = state.meta["conformal"]
-    assert rec["fitted"] and rec["source"] == "the clients' held-out rows" and rec["clients"] == [0, 1, 2, 3]
-    assert rec["calibration_images"] == len(rows) and rec["per_class"] == np.bincount(labels, minlength=C).tolist()
+    source = "the clients' held-out rows" + (" and the server's validation split" if rows == "pooled" else "")
+    assert rec["fitted"] and rec["source"] == source and rec["clients"] == [0, 1, 2, 3]
+    assert rec["held_out_images"] == len(held) > 0
+    assert rec["validation_images"] == (len(prep.dataset.val) if rows == "pooled" else 0)
+    assert rec["calibration_images"] == len(labels) and rec["per_class"] == np.bincount(labels, minlength=C).tolist()
     pooled = conformal.class_thresholds(conformal.histograms(scores, labels, C), 0.1)
     assert np.allclose(rec["thresholds"]["0.9"], pooled, atol=1e-12)
     exact = conformal.exact_thresholds(scores, labels, C, 0.1)
     assert (pooled >= exact - 1e-12).all() and (pooled <= exact + 1.0 / conformal.GRID + 1e-9).all()
-    assert np.allclose(state.extras["conformal.hist"].double().numpy().sum(), len(rows))
+    assert np.allclose(state.extras["conformal.hist"].double().numpy().sum(), len(labels))
 
 
 def test_the_report_measures_coverage_and_size_per_level_mix_and_class(calibrated_run):
