@@ -54,7 +54,9 @@ def _prior_line(pr: PriorSpec) -> str:
         text += (f" (it lowered the NLL of {check.get('images', '?')} validation images it was not fitted on, "
                  f"{check.get('nll_uncalibrated', float('nan')):.3f} to {check.get('nll_calibrated', float('nan')):.3f})")
     elif check.get("checked"):
-        text += (f" (a {check.get('kind', '?')} calibration was fitted and not shipped: it raised the NLL of "
+        raised = check.get("nll_calibrated", float("nan")) >= check.get("nll_uncalibrated", float("nan"))
+        what = "raised the NLL of" if raised else "did not lower beyond their noise the NLL of"
+        text += (f" (a {check.get('kind', '?')} calibration was fitted and not shipped: it {what} "
                  f"{check.get('images', '?')} validation images, {check.get('nll_uncalibrated', float('nan')):.3f} "
                  f"to {check.get('nll_calibrated', float('nan')):.3f})")
     text += f". An explicit prior decides by the Bayes rule; `prior=adaptive` estimates the served mix by {how}."

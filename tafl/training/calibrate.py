@@ -103,9 +103,9 @@ def calibrate(method: Method, state: GlobalState, transport: Transport, cfg: Run
     return GlobalState(state.weights, state.extras, dict(state.meta, calibration=calibration.to_dict()))
 
 
-def nll_at_mix(cal, z: np.ndarray, labels: np.ndarray, mix: np.ndarray, source: np.ndarray | None = None) -> float:
-    """The mean NLL of `labels` under the posteriors of calibration `cal` (a tafl.prior.Calibration) on logits z,
-    moved by Bayes' rule from the prior they describe (`source`, default the calibration's source prior) to `mix`;
+def nll_rows(cal, z: np.ndarray, labels: np.ndarray, mix: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
+    """(N,) each row's NLL of its label under the posteriors of calibration `cal` (a tafl.prior.Calibration) on logits
+    z, moved by Bayes' rule from the prior they describe (`source`, default the calibration's source prior) to `mix`;
     in log space, so a confidently wrong posterior costs what it should (no clipping)."""
     src = np.asarray(cal.source_prior if source is None else source, np.float64)
     with np.errstate(divide="ignore"):
@@ -113,13 +113,47 @@ def nll_at_mix(cal, z: np.ndarray, labels: np.ndarray, mix: np.ndarray, source: 
     m = u.max(axis=1, keepdims=True)
     lse = (m + np.log(np.exp(u - m).sum(axis=1, keepdims=True)))[:, 0]
     y = np.asarray(labels, np.int64)
-    return float((lse - u[np.arange(len(y)), y]).mean())
+    return lse - u[np.arange(len(y)), y]
+
+
+def nll_at_mix(cal, z: np.ndarray, labels: np.ndarray, mix: np.ndarray, source: np.ndarray | None = None) -> float:
+    """The mean of `nll_rows`: the NLL of the rows under `cal`'s posteriors moved to `mix`."""
+    return float(nll_rows(cal, z, labels, mix, source).mean())
+
+
+CHECK_Z = 1.645  # the check's one-sided 95 % bound on the mean NLL change (normal approximation, paired rows)
+
+
+def verdict(calibrated: np.ndarray, uncalibrated: np.ndarray, kind: str) -> dict[str, Any]:
+    """The check's record from the validation rows' NLLs under the fitted calibration and without it (the same rows,
+    paired): shipped only where the one-sided 95 % upper bound of the mean change lies below zero; otherwise `why`
+    says whether the fit raised the NLL or lowered it by less than the rows' noise."""
+    change = np.asarray(calibrated, np.float64) - np.asarray(uncalibrated, np.float64)
+    n = len(change)
+    se = float(change.std(ddof=1) / np.sqrt(n)) if n > 1 else float("inf")
+    mean = float(change.mean())
+    bound = mean + CHECK_Z * se
+    nll = {"calibrated": float(np.mean(calibrated)), "uncalibrated": float(np.mean(uncalibrated))}
+    check = {"checked": True, "shipped": bool(bound < 0), "images": int(n), "split": "validation",
+             "at": "the validation rows' class mix", "nll_calibrated": nll["calibrated"],
+             "nll_uncalibrated": nll["uncalibrated"], "nll_change": mean, "nll_change_se": se,
+             "nll_change_bound": bound, "confidence": 0.95, "kind": kind}
+    if not check["shipped"]:
+        what = ("raised the NLL of" if mean >= 0 else
+                f"did not lower beyond their noise (change {mean:+.4f}, one-sided 95 % bound {bound:+.4f}) the NLL of")
+        check["why"] = (f"the fitted {kind} calibration {what} {n} validation images it was not fitted on "
+                        f"({nll['uncalibrated']:.4f} uncalibrated, {nll['calibrated']:.4f} calibrated): the "
+                        "uncalibrated posteriors ship")
+    return check
 
 
 def check_calibration(method: Method, state: GlobalState, images: np.ndarray, labels: np.ndarray,
                       batch_size: int) -> GlobalState:
-    """Ship the fitted calibration only where it improves the NLL of rows it was not fitted on: the server's
-    validation split (the calibration is fitted on the clients' held-out rows). Both posteriors, the calibrated
+    """Ship the fitted calibration only where it lowers the NLL of rows it was not fitted on, the server's validation
+    split (the calibration is fitted on the clients' held-out rows), by more than those rows' noise: the one-sided 95 %
+    upper bound of the mean per-row change (calibrated minus uncalibrated, the same rows) must lie below zero. A fit
+    whose gain is within the noise does not ship: the promise is posteriors never worse than the model's own
+    (docs/decisions.md, "A calibration that can say no"). Both posteriors, the calibrated
     and the method's own (under `default_source_prior`), are first moved to the validation rows' class mix by Bayes'
     rule, so the comparison is of what every prior-aware rule uses, the likelihood ratios, not of which prior each
     describes. Where the calibrated NLL is not lower the state carries the identity calibration instead, its `fit`
@@ -140,20 +174,14 @@ def check_calibration(method: Method, state: GlobalState, images: np.ndarray, la
     z = method.posterior_logits(predict(module, images, method.normalize, batch_size, keys=method.output_keys))
     mix = np.bincount(y, minlength=C) / len(y)
     own = np.asarray(method.default_source_prior(state), np.float64)
-    nll = {"calibrated": nll_at_mix(fitted, z, y, mix), "uncalibrated": nll_at_mix(Calibration(), z, y, mix, own)}
-    shipped = nll["calibrated"] < nll["uncalibrated"]
-    check = {"checked": True, "shipped": bool(shipped), "images": int(len(y)), "split": "validation",
-             "at": "the validation rows' class mix", "nll_calibrated": nll["calibrated"],
-             "nll_uncalibrated": nll["uncalibrated"], "kind": fitted.kind}
-    if shipped:
+    check = verdict(nll_rows(fitted, z, y, mix), nll_rows(Calibration(), z, y, mix, own), fitted.kind)
+    if check["shipped"]:
         fitted.fit["check"] = check
         keep = fitted
-        log.info("calibration check: validation NLL %.4f calibrated against %.4f uncalibrated on %d images: shipped",
-                 nll["calibrated"], nll["uncalibrated"], len(y))
+        log.info("calibration check: validation NLL %.4f calibrated against %.4f uncalibrated on %d images (change "
+                 "%+.4f, one-sided 95%% bound %+.4f): shipped", check["nll_calibrated"], check["nll_uncalibrated"],
+                 len(y), check["nll_change"], check["nll_change_bound"])
     else:
-        check["why"] = (f"the fitted {fitted.kind} calibration raised the NLL of {len(y)} validation images it was "
-                        f"not fitted on ({nll['uncalibrated']:.4f} uncalibrated, {nll['calibrated']:.4f} "
-                        "calibrated): the uncalibrated posteriors ship")
         keep = Calibration(source_prior=own, fit={"check": check, "rejected": fitted.to_dict()})
         log.warning("calibration check: %s", check["why"])
     return GlobalState(state.weights, state.extras, dict(state.meta, calibration=keep.to_dict()))

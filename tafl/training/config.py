@@ -166,8 +166,9 @@ class RunConfig:
     # classes, each giving at most 30 % of its rows: more rare-class images for the fit; docs/decisions.md, "Class-balanced hold-out")
     calib_holdout_mode: str = "rows"
     calib_rounds: int = 25  # calibration Newton rounds at most
-    # ship the fitted calibration only where it lowers the NLL of the validation split, which it was not fitted on
-    # (tafl.training.calibrate.check_calibration); otherwise the uncalibrated posteriors ship and the report says so
+    # ship the fitted calibration only where it lowers the NLL of the validation split, which it was not fitted on,
+    # by more than that split's noise (a one-sided 95 % bound; tafl.training.calibrate.check_calibration); otherwise
+    # the uncalibrated posteriors ship and the report says so
     calibration_check: bool = True
     calib_l2: float = 1.0  # L2 penalty on the biases and on the spread of vector scaling's per-class scales
     # the plain decision's operating point: argmax | validation (label = argmax(z − τ·log π), τ chosen on the
