@@ -167,7 +167,11 @@ def summarise(reports: dict[str, dict[int, dict]]) -> dict:
     out = {}
     for row, by_seed in reports.items():
         dets = {s: r.get("domain_detector") or {} for s, r in by_seed.items()}
-        entry: dict = {"seeds": sorted(dets), "fitted": {s: bool(d.get("fitted")) for s, d in dets.items()}}
+        entry: dict = {"seeds": sorted(dets), "fitted": {s: bool(d.get("fitted")) for s, d in dets.items()},
+                       # the run's own accuracy beside its detector: the mean of the eleven, and pooled balanced
+                       # accuracy where the data have sites
+                       "average_accuracy": {s: r.get("average_accuracy") for s, r in by_seed.items()},
+                       "pooled_balanced_accuracy": {s: r.get("pooled_balanced_accuracy") for s, r in by_seed.items()}}
         ok = {s: d for s, d in dets.items() if d.get("fitted")}
         if not ok:
             out[row] = entry
@@ -207,7 +211,9 @@ def markdown(summary: dict, costs: dict, args) -> str:
         if "detection" not in e:
             lines += ["no detector fitted", ""]
             continue
-        lines += [f"- in-domain test images refused: {ms(e['test_refused'])}",
+        lines += [f"- the run's mean of the eleven: {ms(e.get('average_accuracy', {}))}; pooled balanced accuracy: "
+                  f"{ms(e.get('pooled_balanced_accuracy', {}))}",
+                  f"- in-domain test images refused: {ms(e['test_refused'])}",
                   f"- balanced accuracy, accepted images: {ms(e['balanced_accuracy_accepted'])}; all images: "
                   f"{ms(e['balanced_accuracy_all'])}", "",
                   f"- score: {', '.join(sorted(set(e['kind'].values())))}", "",
