@@ -19,24 +19,18 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from trained_run import load_run  # noqa: E402
 
 
 def measure(run: Path) -> dict:
-    from tafl.imaging import Preprocess
     from tafl.prior import Calibration
     from tafl.training.calibrate import nll_rows, verdict
-    from tafl.training.checkpoint import load_checkpoint
-    from tafl.training.config import RunConfig
-    from tafl.training.contract import GlobalState
     from tafl.training.evaluate import predict
-    from tafl.training.models import ModelConfig
-    from tafl.training.prepare import make_method, prepare
 
-    ck = load_checkpoint(run / "final.pt")
-    cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
-    ds = prepare(cfg).dataset
-    method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
-    state = GlobalState.from_dict(ck["state"])
+    r = load_run(run)
+    cfg, ds, method, state = r.cfg, r.prep.dataset, r.method, r.state
     C = ds.num_classes
     rec = state.meta["calibration"]
     check = (rec.get("fit") or {}).get("check") or {}

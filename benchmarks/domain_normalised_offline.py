@@ -23,29 +23,22 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from trained_run import benchmark_runs, load_run  # noqa: E402
 
 
 def measure(run: Path, dicom: Path) -> dict:
     import torch
 
     from tafl.imaging import Preprocess
-    from tafl.training.checkpoint import load_checkpoint
-    from tafl.training.config import RunConfig
-    from tafl.training.contract import GlobalState
     from tafl.training.detector import combine, distances, energy_match, fit_gaussian, head_energies
     from tafl.training.methods.detector import extract_features
-    from tafl.training.models import ModelConfig, build_model
     from tafl.training.ood import detection, far_sets
-    from tafl.training.prepare import make_method, prepare
 
-    ck = load_checkpoint(run / "final.pt")
-    cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
-    prep = prepare(cfg)
-    pre = Preprocess.from_dict(ck["preprocess"])
-    method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), pre)
-    state = GlobalState.from_dict(ck["state"])
-    model = build_model(method.model_cfg)
-    model.load_state_dict(state.weights)
+    r = load_run(run)
+    cfg, prep, method, model = r.cfg, r.prep, r.method, r.model
+    pre = Preprocess.from_dict(r.ck["preprocess"])
 
     def feats(images: np.ndarray) -> np.ndarray:
         return extract_features(model, torch.from_numpy(np.ascontiguousarray(images)), method.normalize, 256)
@@ -89,13 +82,11 @@ def main() -> None:
                    help="results file (default: benchmarks/results/domain_normalised_offline.json)")
     args = p.parse_args()
     res: dict = {}
-    for row in args.runs:
-        for seed in args.seeds:
-            run = REPO / "benchmarks" / "out" / f"{row}_s{seed}"
-            r = res.setdefault(row, {})[seed] = measure(run, Path(args.data) / "dicom")
-            for name, v in r.items():
-                cells = ", ".join(f"{k} {d['auroc']:.4f}/{d['fpr95']:.3f}" for k, d in v["far"].items())
-                print(f"{run.name} {name}: refused {v['test_refused']:.3f}; AUROC/FPR95 {cells}", flush=True)
+    for row, seed, run in benchmark_runs(args.runs, args.seeds):
+        r = res.setdefault(row, {})[seed] = measure(run, Path(args.data) / "dicom")
+        for name, v in r.items():
+            cells = ", ".join(f"{k} {d['auroc']:.4f}/{d['fpr95']:.3f}" for k, d in v["far"].items())
+            print(f"{run.name} {name}: refused {v['test_refused']:.3f}; AUROC/FPR95 {cells}", flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out}")
 

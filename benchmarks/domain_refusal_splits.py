@@ -25,6 +25,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from trained_run import benchmark_runs, load_run  # noqa: E402
 
 TRAIN_ROWS = 2000
 
@@ -33,23 +36,12 @@ def splits(run: Path) -> dict:
     """Per split: images, refused share at the shipped threshold, its 95 % quantile of the score, and per class."""
     import torch
 
-    from tafl.imaging import Preprocess
-    from tafl.training.checkpoint import load_checkpoint
-    from tafl.training.config import RunConfig
-    from tafl.training.contract import GlobalState
     from tafl.training.detector import combine, distances, head_energies
     from tafl.training.methods.detector import extract_features
-    from tafl.training.models import ModelConfig, build_model
-    from tafl.training.prepare import make_method, prepare
 
-    ck = load_checkpoint(run / "final.pt")
-    state = GlobalState.from_dict(ck["state"])
+    r = load_run(run)
+    cfg, prep, method, state, model = r.cfg, r.prep, r.method, r.state, r.model
     rec = state.meta["domain_detector"]
-    cfg = RunConfig.from_dict(ck["run_config"], "checkpoint run_config")
-    prep = prepare(cfg)
-    method = make_method(cfg, ModelConfig.from_dict(ck["model_config"]), Preprocess.from_dict(ck["preprocess"]))
-    model = build_model(method.model_cfg)
-    model.load_state_dict(state.weights)
     means, precision = (state.extras[k].double().numpy() for k in ("domain.means", "domain.precision"))
 
     def score(images: np.ndarray) -> np.ndarray:
@@ -111,15 +103,10 @@ def main() -> None:
                    help="output path without extension (default: benchmarks/results/domain_refusal_splits)")
     args = p.parse_args()
     res: dict = {}
-    for row in args.runs:
-        for seed in args.seeds:
-            run = REPO / "benchmarks" / "out" / f"{row}_s{seed}"
-            if not (run / "final.pt").is_file():
-                print(f"{run.name}: not trained (benchmarks/domain_detection.py), left out", flush=True)
-                continue
-            res.setdefault(row, {})[seed] = splits(run)
-            print(f"{run.name}: " + ", ".join(f"{k} {100 * v['refused']:.1f} %"
-                                              for k, v in res[row][seed]["splits"].items()), flush=True)
+    for row, seed, run in benchmark_runs(args.runs, args.seeds):
+        res.setdefault(row, {})[seed] = splits(run)
+        print(f"{run.name}: " + ", ".join(f"{k} {100 * v['refused']:.1f} %"
+                                          for k, v in res[row][seed]["splits"].items()), flush=True)
     Path(args.out + ".json").write_text(json.dumps(res, indent=1))
     Path(args.out + ".md").write_text(markdown(res))
     print(f"wrote {args.out}.json and .md")
