@@ -67,15 +67,18 @@ def calibrated(run: Path) -> dict:
     module = method.inference_model(state)
 
     def probs(images: np.ndarray) -> np.ndarray:
+        if not len(images):
+            return np.zeros((0, C))
         out = predict(module, images, method.normalize, cfg.eval_batch_size, keys=method.output_keys)
         return calib.probs(method.posterior_logits(out))
 
-    rows = [np.asarray(h, np.int64) for h in prep.holdouts]
+    rows = [np.asarray(h, np.int64) for h in prep.holdouts] or [np.zeros(0, np.int64)]  # none: calib_holdout 0
     client = np.concatenate([np.full(len(r), k) for k, r in enumerate(rows)])
     idx = np.concatenate(rows)
     return {"cal_probs": probs(prep.train.images[idx]), "cal_labels": prep.train.labels[idx], "cal_client": client,
             "cal_site": None if prep.train.sites is None else np.asarray(prep.train.sites)[idx],
             "val_probs": probs(ds.val.images), "val_labels": ds.val.labels,
+            "val_sites": None if getattr(ds.val, "sites", None) is None else np.asarray(ds.val.sites),
             "test_probs": probs(ds.test.images), "test_labels": ds.test.labels,
             "test_sites": None if ds.test.sites is None else np.asarray(ds.test.sites),
             "site_names": list(ds.site_names or []), "class_names": list(ds.class_names),

@@ -54,18 +54,38 @@ def histograms(scores: np.ndarray, labels: np.ndarray, num_classes: int, bins: i
     return out
 
 
-def rank(n: float, alpha: float) -> int:
-    """k = ⌈(n + 1)(1 − α)⌉, the rank of the calibration score that is the threshold (k > n: no finite one)."""
-    return int(math.ceil((n + 1) * (1 - alpha) - 1e-9))
+def rank(n: float, alpha: float, confidence: float | None = None) -> int:
+    """The rank k of the calibration score that is the threshold (k > n: no finite one).
+
+    `confidence` None: k = ⌈(n + 1)(1 − α)⌉, coverage ≥ 1 − α on average over the calibration draw (the split
+    conformal guarantee). `confidence` 1 − δ: the smallest k with P(Binomial(n, 1 − α) ≥ k) ≤ δ, so that the
+    coverage of this very calibration is ≥ 1 − α with probability ≥ 1 − δ over its draw (training-conditional
+    validity, Vovk 2012, Proposition 2a: the k-th smallest of n exchangeable scores covers a new one with
+    probability F(s_(k)) ~ Beta(k, n − k + 1), and P(Beta(k, n − k + 1) < t) = P(Binomial(n, t) ≥ k)). A
+    fractional n (a noisy count) counts its whole images only."""
+    if confidence is None:
+        return int(math.ceil((n + 1) * (1 - alpha) - 1e-9))
+    m, p, delta = int(math.floor(n + 1e-9)), 1.0 - alpha, 1.0 - confidence
+    if m < 1 or not 0 < p < 1:
+        return m + 1
+    k, tail = m + 1, 0.0  # tail = P(Binomial(m, p) >= k)
+    while k > 0:
+        j = k - 1
+        pmf = math.exp(math.lgamma(m + 1) - math.lgamma(j + 1) - math.lgamma(m - j + 1)
+                       + j * math.log(p) + (m - j) * math.log1p(-p))
+        if tail + pmf > delta:
+            break
+        tail, k = tail + pmf, j
+    return k
 
 
-def histogram_threshold(hist: np.ndarray, alpha: float) -> float:
+def histogram_threshold(hist: np.ndarray, alpha: float, confidence: float | None = None) -> float:
     """The threshold from one histogram (bins,) of calibration scores: the upper edge of the bin holding the k-th
     smallest; ALWAYS when the histogram holds fewer than k. Counts may be fractional, or negative after a noisy
     release: negative bins count as empty and n is the sum of what is left."""
     h = np.clip(np.asarray(hist, np.float64), 0.0, None)
     n = float(h.sum())
-    k = rank(n, alpha)
+    k = rank(n, alpha, confidence)
     if n <= 0 or k > n + 1e-9:
         return ALWAYS
     b = int(np.searchsorted(np.cumsum(h), k - 1e-9, side="left"))
@@ -86,24 +106,25 @@ def noisy_threshold(hist: np.ndarray, alpha: float, sigma: float, margin: float 
     return ALWAYS if sigma < 0 or not len(ok) else min((int(ok[0]) + 1) / bins, ALWAYS)
 
 
-def class_thresholds(hists: np.ndarray, alpha: float) -> np.ndarray:
-    """(C,) one threshold per class from the (summed) per-class histograms (C, bins)."""
-    return np.array([histogram_threshold(h, alpha) for h in np.asarray(hists)], np.float64)
+def class_thresholds(hists: np.ndarray, alpha: float, confidence: float | None = None) -> np.ndarray:
+    """(C,) one threshold per class from the (summed) per-class histograms (C, bins); `confidence` as in `rank`."""
+    return np.array([histogram_threshold(h, alpha, confidence) for h in np.asarray(hists)], np.float64)
 
 
-def marginal_threshold(hists: np.ndarray, alpha: float) -> float:
+def marginal_threshold(hists: np.ndarray, alpha: float, confidence: float | None = None) -> float:
     """One threshold for every class, from the classes' histograms pooled: the marginal variant."""
-    return histogram_threshold(np.asarray(hists).sum(axis=0), alpha)
+    return histogram_threshold(np.asarray(hists).sum(axis=0), alpha, confidence)
 
 
-def exact_thresholds(scores: np.ndarray, labels: np.ndarray, num_classes: int, alpha: float) -> np.ndarray:
+def exact_thresholds(scores: np.ndarray, labels: np.ndarray, num_classes: int, alpha: float,
+                     confidence: float | None = None) -> np.ndarray:
     """(C,) the class-conditional thresholds from the pooled scores themselves, no grid: the k-th smallest of each
     class's scores (ALWAYS where the class has fewer than k)."""
     s, y = np.asarray(scores, np.float64), np.asarray(labels, np.int64)
     out = np.full(num_classes, ALWAYS)
     for c in range(num_classes):
         sc = np.sort(s[y == c])
-        k = rank(len(sc), alpha)
+        k = rank(len(sc), alpha, confidence)
         if 1 <= k <= len(sc):
             out[c] = sc[k - 1]
     return out

@@ -134,3 +134,35 @@ def test_a_noisy_histogram_gives_a_threshold_no_lower_than_the_noiseless_one_but
         assert np.median([conformal.noisy_threshold(h + rng.normal(0, 8.0, bins), 0.1, 8.0)
                           for _ in range(50)]) >= np.median(draws)
     assert conformal.noisy_threshold(np.full(20, 0.5), 0.1, 5.0) == conformal.ALWAYS  # 10 images, σ 5: unbounded
+
+
+def test_the_confidence_rank_is_the_smallest_whose_binomial_tail_is_within_delta():
+    """rank(n, α, confidence): the smallest k with P(Binomial(n, 1 − α) ≥ k) ≤ 1 − confidence (scipy's binomial as
+    the reference), n + 1 (no finite threshold) where even k = n is not enough; never below the average rule's."""
+    binom = pytest.importorskip("scipy.stats").binom
+    for alpha, conf in ((0.1, 0.9), (0.05, 0.9), (0.2, 0.95), (0.1, 0.5)):
+        for n in list(range(0, 120)) + [450, 1003]:
+            k = rank(n, alpha, conf)
+            ok = [j for j in range(1, n + 1) if binom.sf(j - 1, n, 1 - alpha) <= 1 - conf]
+            assert k == (min(ok) if ok else n + 1), (alpha, conf, n, k)
+            assert k >= rank(n, alpha) or conf == 0.5, (alpha, conf, n)
+    assert rank(21, 0.1, 0.9) == 22 and rank(22, 0.1, 0.9) == 22  # 0.9^22 = 0.098: the fewest rows for a bound
+
+
+def test_the_confidence_rule_bounds_each_calibration_draws_coverage_and_the_average_rule_does_not():
+    """Uniform scores: a threshold t covers a new image with probability t exactly. Over 4,000 calibration draws of
+    n = 40 rows through the histograms, the confidence rule's coverage falls below 1 − α in at most δ of the draws
+    (plus three standard errors); the average rule's mean coverage is ≥ 1 − α but falls below it in about 40 %."""
+    rng = np.random.default_rng(5)
+    reps, n = 4000, 40
+    y = np.zeros(n, np.int64)
+    conf_cov, avg_cov = np.empty(reps), np.empty(reps)
+    for i in range(reps):
+        h = histograms(rng.uniform(0, 1, n), y, 1)
+        conf_cov[i] = class_thresholds(h, ALPHA, 0.9)[0]
+        avg_cov[i] = class_thresholds(h, ALPHA)[0]
+    delta, se = 0.1, np.sqrt(0.1 * 0.9 / reps)
+    assert np.mean(conf_cov < 1 - ALPHA) <= delta + 3 * se
+    assert np.mean(conf_cov < 1 - ALPHA) >= delta / 3  # not vacuous: the bound is near tight at n = 40
+    assert avg_cov.mean() >= 1 - ALPHA - 3 * np.sqrt(0.1 * 0.9 / (n * reps))
+    assert np.mean(avg_cov < 1 - ALPHA) > 0.3

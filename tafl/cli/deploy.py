@@ -34,7 +34,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
     print(f"input domain: {describe(pkg.meta.domain)}" + ("; a DICOM whose header contradicts it is refused"
                                                            if pkg.meta.domain else ""))
     sets = pkg.meta.sets
-    print(f"prediction sets: {100 * sets.coverage:g}% coverage per class (also "
+    print(f"prediction sets: {100 * sets.coverage:g}% coverage per class"
+          f"{f' with {100 * sets.confidence:g}% confidence' if sets.confidence else ' on average'} (also "
           f"{', '.join(f'{v:g}' for v in sorted(sets.thresholds) if v != sets.coverage)} on request)" if sets.fitted
           else f"prediction sets: none ({sets.why})" if sets else "prediction sets: none (a run from before them)")
     print(f"signed by key {pkg.signed_by} (SHA256SUMS.sig)" if pkg.signed_by else

@@ -180,6 +180,11 @@ def sets_line(sets: Sets) -> str:
             f"{f' ({sets.source})' if sets.source else ''}, the true class is in "
             f"the set with probability at least {level}, whatever the case mix (class-conditional conformal "
             f"prediction; {', '.join(f'{v:g}' for v in sorted(sets.thresholds))} on request).")
+    if sets.confidence is not None:
+        line += (f" That holds for this package's own thresholds with {100 * sets.confidence:g}% confidence over "
+                 "which images calibrated them, not only on average over packages.")
+    else:
+        line += " That holds on average over the calibration images' draw; one package's coverage may fall short."
     if sets.always_in_set:
         line += (f" Too few calibration images to bound {', '.join(sets.always_in_set)}: always in the set.")
     t = sets.test

@@ -53,8 +53,10 @@ def sets_spec(ck: dict[str, Any], ck_path: Path, coverage: float) -> dict[str, A
     hist = extras["conformal.hist"].double().numpy()
     levels = sorted(set(LEVELS) | {coverage})
     names = list(ck["class_names"])
-    thr = {level: conformal.class_thresholds(hist, 1 - level) for level in levels}
+    conf = rec.get("confidence")  # the rule training fitted with (absent: before the rule was a choice, on average)
+    thr = {level: conformal.class_thresholds(hist, 1 - level, conf) for level in levels}
     out = {"fitted": True, "coverage": coverage, "kind": "class-conditional", "score": rec.get("score"),
+           "confidence": conf,
            "levels": {f"{level:g}": [float(t) for t in thr[level]] for level in levels},
            "calibration_images": rec.get("calibration_images"), "per_class": rec.get("per_class"),
            "source": rec.get("source"),
@@ -63,7 +65,7 @@ def sets_spec(ck: dict[str, Any], ck_path: Path, coverage: float) -> dict[str, A
         site_hist = extras["conformal.site_hist"].double().numpy()
         out["sites"] = {name: {"calibration_images": int(site_hist[k].sum()),
                                "levels": {f"{level:g}": [float(t) for t in conformal.class_thresholds(
-                                   site_hist[k], 1 - level)] for level in levels}}
+                                   site_hist[k], 1 - level, conf)] for level in levels}}
                         for k, name in enumerate(rec["sites"])}
     rep = ck_path.parent / "report.json"
     measured = ((json.loads(rep.read_text()).get("conformal") or {}).get("levels") or {}) if rep.is_file() else {}

@@ -76,6 +76,13 @@ class Sets(Record):
         return str(self._get("kind") or "class-conditional")
 
     @property
+    def confidence(self) -> float | None:
+        """The probability over the calibration draw with which each class's coverage reaches its level (the
+        training-conditional guarantee, tafl.conformal.rank); None: the coverage holds on average over draws."""
+        c = _number(self._get("confidence"), None)
+        return c if c is not None and 0 < c < 1 else None
+
+    @property
     def thresholds(self) -> dict[float, tuple[float, ...]]:
         lv = self._get("levels")
         if not isinstance(lv, dict):

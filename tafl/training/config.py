@@ -213,6 +213,10 @@ class RunConfig:
     # validation split, whose rows no calibration was fitted on: more rows of the rare classes, whose thresholds
     # are loosest) | held_out (the clients' rows alone, for a server whose validation images come from elsewhere)
     conformal_rows: str = "pooled"
+    # the sets' guarantee: each class's coverage reaches its level with this probability over the calibration rows'
+    # draw (training-conditional: one package's coverage, not the average over packages; a class with too few rows
+    # for it is always in the set); none: on average over the draw (split conformal's guarantee, smaller sets)
+    set_confidence: float | None = 0.9
     # what the sites train: all (the whole network) | head (the classifier head only, on the fixed extractor's
     # features of their images as they are, in a whitened basis of head_basis_dim directions the server computes from
     # its unlabeled pool; the extractor stays as the server made it: its seeded initialisation, --pretrain-steps,
@@ -415,6 +419,8 @@ class RunConfig:
             raise bad("calib_holdout", "must be in [0, 0.5)")
         if self.calibration != "none" and self.calib_holdout <= 0:
             raise bad("calib_holdout", f"calibration '{self.calibration}' needs held-out client rows (e.g. 0.1)")
+        if self.set_confidence is not None and not 0.5 <= self.set_confidence < 1:
+            raise bad("set_confidence", "must be in [0.5, 1) (such as 0.9), or null for coverage on average")
         if self.calib_rounds < 1 or self.adapt_draws < 1:
             raise bad("calib_rounds", "calib_rounds and adapt_draws must be >= 1")
         try:

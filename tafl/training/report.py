@@ -270,7 +270,11 @@ def sets_lines(c: dict[str, Any] | None) -> list[str]:
         return ["", "## Prediction sets", "", f"None fitted: {c.get('why', 'unknown')}."]
     lines = ["", "## Prediction sets", "",
              f"Class-conditional conformal sets from {c['calibration_images']} calibration images "
-             f"({c['source']}); the marginal variant uses one threshold for every class.", "",
+             f"({c['source']}); the marginal variant uses one threshold for every class. "
+             + ("Each class's coverage reaches its level on average over the calibration rows' draw."
+                if c.get("confidence") is None else
+                f"Each class's coverage reaches its level with probability {c['confidence']:g} over the calibration "
+                "rows' draw (a class with too few rows for that is in every set)."), "",
              "| level | sets | coverage | mean size | lowest coverage over the eleven mixes |", "|---|---|---|---|---|"]
     for level, entry in c.get("levels", {}).items():
         for variant, v in entry.items():

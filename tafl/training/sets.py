@@ -7,6 +7,11 @@ classes, whose thresholds are loosest, more rows; the validation rows fitted no 
 rows fitted the calibration whose posteriors the scores are made of (docs/decisions.md, "The sets' calibration
 rows").
 
+Each class's threshold holds its level with probability `set_confidence` (0.9 by default) over the draw of its
+calibration rows (tafl.conformal.rank), not only on average over draws: one package's coverage is what a site relies
+on, and with a rare class's few rows the average guarantee leaves that package's coverage of the class below the
+level about half the time (docs/decisions.md, "One package's coverage, not the average over packages").
+
 With secure aggregation the histograms are one SecAgg+ sum over every site (tafl.training.secagg.sets_layout): whole
 counts, so the thresholds are those of the plaintext sum. Under record-level DP (`--dp-epsilon`) the sets are
 calibrated on the server's validation split, the coordinator's own images, which the DP statement does not cover and
@@ -101,21 +106,24 @@ def fit_sets(method: Method, state: GlobalState, transport: Transport, cfg: RunC
         source = "the server's validation split" + (
             " (under DP: the coordinator's own images, no budget spent)" if private else "")
     counts = hist.sum(axis=1)
+    conf = cfg.set_confidence
     rec = {"fitted": True, "score": "1 - p (calibrated, source prior)", "grid": conformal.GRID, "source": source,
+           "confidence": conf,
            "clients": clients, "calibration_images": int(counts.sum()), "held_out_images": held_images,
            "validation_images": int(counts.sum()) - held_images,
            "per_class": [int(c) for c in counts],
-           "thresholds": {str(level): [float(t) for t in conformal.class_thresholds(hist, 1 - level)]
+           "thresholds": {str(level): [float(t) for t in conformal.class_thresholds(hist, 1 - level, conf)]
                           for level in LEVELS},
-           "marginal_thresholds": {str(level): conformal.marginal_threshold(hist, 1 - level) for level in LEVELS},
+           "marginal_thresholds": {str(level): conformal.marginal_threshold(hist, 1 - level, conf)
+                                   for level in LEVELS},
            "seconds": round(time.perf_counter() - t0, 2)}
     if per_site is not None:
         rec["sites"] = {name: {"calibration_images": int(per_site[k].sum()),
                                "thresholds": {str(level): [float(t) for t in conformal.class_thresholds(
-                                   per_site[k], 1 - level)] for level in LEVELS}}
+                                   per_site[k], 1 - level, conf)] for level in LEVELS}}
                         for k, name in enumerate(site_names)}
-    log.info("conformal sets: %d calibration images from %s; per class %s", rec["calibration_images"], source,
-             rec["per_class"])
+    log.info("conformal sets: %d calibration images from %s; per class %s; coverage %s", rec["calibration_images"],
+             source, rec["per_class"], "on average" if conf is None else f"with probability {conf:g}")
     extras = {**state.extras, "conformal.hist": torch.from_numpy(hist.astype(np.float32))}
     if per_site is not None:
         extras["conformal.site_hist"] = torch.from_numpy(per_site.astype(np.float32))

@@ -70,14 +70,24 @@ def test_thresholds_are_the_histograms_and_coverage_is_chosen_at_export(gtafl_ru
     sets = pkg.meta.sets
     assert sets.coverage == 0.85 and sorted(sets.thresholds) == [0.8, 0.85, 0.9, 0.95]
     for level, t in sets.thresholds.items():
-        np.testing.assert_array_equal(t, conformal.class_thresholds(hist, 1 - level))
+        np.testing.assert_array_equal(t, conformal.class_thresholds(hist, 1 - level, 0.9))  # the run's rule
+    assert sets.confidence == ck["state"]["meta"]["conformal"]["confidence"] == 0.9
     assert sets.calibration_images == int(hist.sum())
     out = pkg.run(pkg.session(["CPUExecutionProvider"]), _images(pkg))
     assert np.array_equal(out[MASK], out[SCORES] <= np.asarray(sets.thresholds[0.85]))
     card = (tmp_path / "p85" / "README.md").read_text()
-    assert "Prediction sets:" in card and "at least 85%" in card
+    assert "Prediction sets:" in card and "at least 85%" in card and "with 90% confidence" in card
     source = ck["state"]["meta"]["conformal"]["source"]  # where the calibration images came from, as the card says
     assert sets.source == source and f"{sets.calibration_images} calibration images ({source})" in card
+    # a checkpoint from before the rule was a choice keeps the rule its report measured: coverage on average
+    del ck["state"]["meta"]["conformal"]["confidence"]
+    (tmp_path / "old").mkdir()
+    torch.save(ck, tmp_path / "old" / "final.pt")
+    old = export_checkpoint(tmp_path / "old" / "final.pt", tmp_path / "p_old", domain=("detector=off",)).meta.sets
+    assert old.confidence is None
+    np.testing.assert_array_equal(old.thresholds[0.9], conformal.class_thresholds(hist, 0.1))
+    assert (np.asarray(old.thresholds[0.9]) <= np.asarray(sets.thresholds[0.9])).all()
+    assert "on average over the calibration images' draw" in (tmp_path / "p_old" / "README.md").read_text()
     with pytest.raises(ConfigError, match="--coverage 1.2"):
         export_checkpoint(gtafl_run / "final.pt", tmp_path / "bad", coverage=1.2)
     assert not (tmp_path / "bad").exists()

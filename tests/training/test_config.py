@@ -138,7 +138,8 @@ def test_every_shipped_config_loads_and_round_trips_through_its_flat_keys(path):
 
 # shared settings added after those configs were written, with the value a config without them has
 ADDED_SINCE_52 = {"domain_detector": True, "ood_dicom_dir": None, "open_set_class": None, "conformal": True,
-                  "calibration_check": True, "decision_criterion": "macro_f1", "conformal_rows": "pooled"}
+                  "calibration_check": True, "decision_criterion": "macro_f1", "conformal_rows": "pooled",
+                  "set_confidence": 0.9}
 
 
 def test_run_configs_saved_before_the_per_method_settings_load_unchanged():

@@ -68,9 +68,10 @@ def test_the_summed_site_histograms_give_the_pooled_rows_thresholds(calibrated_r
     assert rec["held_out_images"] == len(held) > 0
     assert rec["validation_images"] == (len(prep.dataset.val) if rows == "pooled" else 0)
     assert rec["calibration_images"] == len(labels) and rec["per_class"] == np.bincount(labels, minlength=C).tolist()
-    pooled = conformal.class_thresholds(conformal.histograms(scores, labels, C), 0.1)
+    assert rec["confidence"] == cfg.set_confidence == 0.9  # the default: each package's own coverage
+    pooled = conformal.class_thresholds(conformal.histograms(scores, labels, C), 0.1, 0.9)
     assert np.allclose(rec["thresholds"]["0.9"], pooled, atol=1e-12)
-    exact = conformal.exact_thresholds(scores, labels, C, 0.1)
+    exact = conformal.exact_thresholds(scores, labels, C, 0.1, 0.9)
     assert (pooled >= exact - 1e-12).all() and (pooled <= exact + 1.0 / conformal.GRID + 1e-9).all()
     assert np.allclose(state.extras["conformal.hist"].double().numpy().sum(), len(labels))
 

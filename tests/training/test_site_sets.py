@@ -41,7 +41,8 @@ def test_each_site_gets_thresholds_of_its_own_from_its_held_out_rows(site_run):
     for k, name in enumerate(sorted(SITES)):
         assert rec["sites"][name]["calibration_images"] == int(site_hist[k].sum()) > 0
         for level, t in rec["sites"][name]["thresholds"].items():
-            np.testing.assert_array_equal(t, conformal.class_thresholds(site_hist[k], 1 - float(level)))
+            np.testing.assert_array_equal(t, conformal.class_thresholds(site_hist[k], 1 - float(level),
+                                                                             rec["confidence"]))
     aware = rep["conformal"]["levels"]["0.9"]["site_aware"]["sites"]
     fed = rep["conformal"]["levels"]["0.9"]["class_conditional"]["sites"]
     assert set(aware) == set(fed) == set(SITES)
