@@ -1,8 +1,8 @@
 """The in-domain detector measured (issue 53): each row trained over three seeds, each run's report's
 `domain_detector` gathered, then the cost of the score in the package (ONNX Runtime, same run, with and without it).
 
-    python benchmarks/domain_detection.py [--rows gtafl_derma dafl_derma gtafl_sites open_bcc] [--seeds 1 2 3]
-        [--data ../shared/data] [--width 0.25] [--rounds 20]
+    python benchmarks/domain_detection.py [--rows gtafl_derma dafl_derma gtafl_sites open_bcc fedavg_derma_dp]
+        [--seeds 1 2 3] [--data ../shared/data] [--width 0.25] [--rounds 20]
 
 Rows (scaled for 2 CPU cores; say so where the numbers are quoted):
 - gtafl_derma: the recommended GTAFL configuration (vector calibration on a 10 % hold-out, the validation operating
@@ -12,6 +12,10 @@ Rows (scaled for 2 CPU cores; say so where the numbers are quoted):
 - open_bcc: gtafl_derma trained without basal cell carcinoma (--open-set-class): a malignant finding a skin model
   can meet and the sites may not have labelled, with 103 DermaMNIST test images (enough for a stable AUROC, where
   vascular lesions and dermatofibroma have 29 and 23); its test images are the unseen class.
+- fedavg_derma_dp: FedAvg under record-level DP (--dp-epsilon 8: the sites train the head on a fixed extractor, the
+  private configuration that learns on DermaMNIST; GTAFL under DP stays at chance there), the validation operating
+  point, at --width: the detector's statistics released with noise under the one accountant, the prediction sets
+  calibrated on the server's validation split.
 
 Far sets in every run: --ood-dicom-dir DATA/dicom plus pydicom's own test files, decoded by the service's decoder;
 scikit-image's photographs (random crops); scikit-learn's digits; uniform noise; constant frames. The threshold
@@ -46,8 +50,10 @@ ROWS = {
     "dafl_derma": ("dafl_dermamnist.yaml", "medmnist", {}),
     "gtafl_sites": ("sites_ham10000.yaml", "ham10000", {}),
     "open_bcc": ("benchmark.yaml", "medmnist", dict(RECOMMENDED, open_set_class="basal cell carcinoma")),
+    "fedavg_derma_dp": ("benchmark.yaml", "medmnist",
+                        {"method": "fedavg", "decision": "validation", "dp_epsilon": 8.0}),
 }
-WIDTH_ROWS = ("gtafl_derma", "open_bcc")
+WIDTH_ROWS = ("gtafl_derma", "open_bcc", "fedavg_derma_dp")
 
 
 def run_row(row: str, seed: int, args) -> dict:
