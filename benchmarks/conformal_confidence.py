@@ -8,8 +8,9 @@ confidence over that draw (training-conditional, tafl.conformal.rank).
 Each run is a benchmark run in benchmarks/out/ (RUN_sSEED, from benchmarks/domain_detection.py). The calibration rows
 are those training pools by default (`conformal_rows: pooled`): every client's held-out rows and the server's
 validation split, scored on the run's calibrated posteriors, summed as grid histograms; on real sites also each
-site's own (its held-out rows and its rows of the validation split); from them both rules' thresholds. Beside them: the central ceiling (the exact pooled quantile of the same rows' scores, each rule) and the
-server's validation split alone (what a run under `--dp-epsilon` calibrates on). Nothing is chosen on test images.
+site's own (its held-out rows and its rows of the validation split); from them both rules' thresholds. Beside them:
+the central ceiling (the exact pooled quantile of the same rows' scores, each rule) and the server's validation split
+alone (what a run under `--dp-epsilon` calibrates on). Nothing is chosen on test images.
 
 On the test split: the lowest prior-weighted coverage of the eleven mixes, the lowest class coverage among classes
 with ≥ 30 test images, the uniform-mix set size; per site, the federation's and the site's own thresholds.

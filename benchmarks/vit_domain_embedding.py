@@ -128,7 +128,8 @@ def main() -> None:
     lines = ["# The ViT's detector with its token embedding (issue 53)", "",
              f"Seeds {list(res['runs'])}; per cell AUROC / FPR95 for each seed; refused: the test split's share "
              "above the threshold that keeps 95 % of validation.", "",
-             "| features | refused | " + " | ".join(SETS) + " |", "| --- | --- | " + " | ".join("---" for _ in SETS) + " |"]
+             "| features | refused | " + " | ".join(SETS) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in SETS) + " |"]
     runs = list(res["runs"].values())
     for k in runs[0] if runs else []:
         cells = [", ".join(f"{r[k]['refused']:.3f}" for r in runs)]
