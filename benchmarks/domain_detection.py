@@ -1,13 +1,17 @@
 """The in-domain detector measured (issue 53): each row trained over three seeds, each run's report's
 `domain_detector` gathered, then the cost of the score in the package (ONNX Runtime, same run, with and without it).
 
-    python benchmarks/domain_detection.py [--rows gtafl_derma dafl_derma gtafl_sites open_bcc fedavg_derma_dp]
+    python benchmarks/domain_detection.py [--rows gtafl_derma dafl_derma dafl_conv_derma gtafl_sites open_bcc
+        fedavg_derma_dp]
         [--seeds 1 2 3] [--data ../shared/data] [--width 0.25] [--rounds 20]
 
 Rows (scaled for 2 CPU cores; say so where the numbers are quoted):
 - gtafl_derma: the recommended GTAFL configuration (vector calibration on a 10 % hold-out, the validation operating
   point) on DermaMNIST, configs/benchmark.yaml with the ResNet-8 at --width (0.25: 16-32-64 channels).
-- dafl_derma: ViT-DAFL on DermaMNIST, configs/dafl_dermamnist.yaml as it is.
+- dafl_derma: ViT-DAFL on DermaMNIST, configs/dafl_dermamnist.yaml as it is (the first recipe: patch tokenizer,
+  30 rounds, no operating point).
+- dafl_conv_derma: ViT-DAFL's recommended recipe, configs/dafl_conv_dermamnist.yaml as it is (conv tokenizer,
+  60 rounds, federated vector calibration, the validation operating point).
 - gtafl_sites: the recommended configuration on HAM10000's four hospitals, configs/sites_ham10000.yaml as it is.
 - open_bcc: gtafl_derma trained without basal cell carcinoma (--open-set-class): a malignant finding a skin model
   can meet and the sites may not have labelled, with 103 DermaMNIST test images (enough for a stable AUROC, where
@@ -48,6 +52,7 @@ RECOMMENDED = {"method": "gtafl", "calibration": "vector", "calib_holdout": 0.1,
 ROWS = {
     "gtafl_derma": ("benchmark.yaml", "medmnist", dict(RECOMMENDED)),
     "dafl_derma": ("dafl_dermamnist.yaml", "medmnist", {}),
+    "dafl_conv_derma": ("dafl_conv_dermamnist.yaml", "medmnist", {}),
     "gtafl_sites": ("sites_ham10000.yaml", "ham10000", {}),
     "open_bcc": ("benchmark.yaml", "medmnist", dict(RECOMMENDED, open_set_class="basal cell carcinoma")),
     "fedavg_derma_dp": ("benchmark.yaml", "medmnist",
