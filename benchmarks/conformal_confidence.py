@@ -36,18 +36,11 @@ from tafl import conformal  # noqa: E402
 
 def summary(sets: np.ndarray, y: np.ndarray, ranks: np.ndarray, sites: np.ndarray | None,
             site_names: list[str]) -> dict:
-    from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
+    from tafl.training.sets import by_class_and_mix
 
     C = sets.shape[1]
     hit, size = sets[np.arange(len(y)), y], sets.sum(axis=1)
-    cov_c = np.array([hit[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
-    size_c = np.array([size[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
-    present = ~np.isnan(cov_c)
-    mixes = {}
-    for mix, kind, imf in DISTRIBUTIONS:
-        prior = distribution_prior(ranks, kind, imf) * present
-        prior = prior / prior.sum()
-        mixes[mix] = {"coverage": float(np.nansum(prior * cov_c)), "size": float(np.nansum(prior * size_c))}
+    cov_c, _, mixes = by_class_and_mix(sets, y, ranks)
     big = [float(cov_c[c]) for c in range(C) if (y == c).sum() >= 30]
     out = {"coverage_all": float(hit.mean()), "lowest_mix": min(m["coverage"] for m in mixes.values()),
            "lowest_class_30": min(big) if big else None, "uniform_size": mixes["uniform"]["size"],

@@ -86,7 +86,7 @@ def calibrated(run: Path) -> dict:
 
 
 def measure(d: dict, alpha: float) -> dict:
-    from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
+    from tafl.training.sets import by_class_and_mix
 
     C = len(d["class_names"])
     y_cal, y = d["cal_labels"], d["test_labels"]
@@ -110,14 +110,7 @@ def measure(d: dict, alpha: float) -> dict:
     for name, sets in variants.items():
         hit = sets[np.arange(len(y)), y]
         size = sets.sum(axis=1)
-        cov_c = np.array([hit[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
-        size_c = np.array([size[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
-        present = ~np.isnan(cov_c)
-        mixes = {}
-        for mix, kind, imf in DISTRIBUTIONS:
-            prior = distribution_prior(d["ranks"], kind, imf) * present
-            prior = prior / prior.sum()
-            mixes[mix] = {"coverage": float(np.nansum(prior * cov_c)), "size": float(np.nansum(prior * size_c))}
+        cov_c, size_c, mixes = by_class_and_mix(sets, y, d["ranks"])
         rec = {"coverage_all": float(hit.mean()), "size_all": float(size.mean()),
                "empty_share": float((size == 0).mean()),
                "per_class": {d["class_names"][c]: {"coverage": None if np.isnan(cov_c[c]) else float(cov_c[c]),

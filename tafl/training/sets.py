@@ -149,14 +149,33 @@ def validation_histograms(method: Method, state: GlobalState, cfg: RunConfig, va
     return hist, per_site
 
 
+def by_class_and_mix(sets: np.ndarray, labels: np.ndarray, ranks: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, dict[str, dict[str, float]]]:
+    """Per class, the coverage and mean size of the sets (N, C) on images of that class (NaN where none), and per mix
+    of the eleven the prior-weighted coverage Σ_c π(c)·coverage_c and size, over the classes present (as the report
+    weights accuracy)."""
+    from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
+
+    y = np.asarray(labels, np.int64)
+    C = sets.shape[1]
+    hit, size = sets[np.arange(len(y)), y], sets.sum(axis=1)
+    cov_c = np.array([hit[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
+    size_c = np.array([size[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
+    present = ~np.isnan(cov_c)
+    mixes = {}
+    for name, kind, imf in DISTRIBUTIONS:
+        prior = distribution_prior(ranks, kind, imf) * present
+        prior = prior / prior.sum()
+        mixes[name] = {"coverage": float(np.nansum(prior * cov_c)), "size": float(np.nansum(prior * size_c))}
+    return cov_c, size_c, mixes
+
+
 def sets_report(state: GlobalState, probs: np.ndarray, labels: np.ndarray, ranks: np.ndarray,
                 class_names: list[str], sites: np.ndarray | None = None,
                 site_names: list[str] | None = None) -> dict[str, Any] | None:
     """The report's `conformal`: the fit's record and, on the test split's calibrated posteriors (`probs`, source
     prior), per level the class-conditional sets' and the marginal variant's coverage and mean size over all test
     images, per class, per mix of the eleven (Σ_c π(c)·coverage_c, as accuracy is weighted) and per site."""
-    from tafl.training.longtail import DISTRIBUTIONS, distribution_prior
-
     rec = state.meta.get("conformal")
     if not rec or not rec.get("fitted"):
         return dict(rec) if rec else None
@@ -173,14 +192,7 @@ def sets_report(state: GlobalState, probs: np.ndarray, labels: np.ndarray, ranks
                              ("marginal", float(rec["marginal_thresholds"][key]))):
             sets = conformal.prediction_sets(probs, thr)
             hit, size = sets[np.arange(len(y)), y], sets.sum(axis=1)
-            cov_c = np.array([hit[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
-            size_c = np.array([size[y == c].mean() if (y == c).any() else np.nan for c in range(C)])
-            present = ~np.isnan(cov_c)
-            mixes = {}
-            for name, kind, imf in DISTRIBUTIONS:
-                prior = distribution_prior(ranks, kind, imf) * present
-                prior = prior / prior.sum()
-                mixes[name] = {"coverage": float(np.nansum(prior * cov_c)), "size": float(np.nansum(prior * size_c))}
+            cov_c, size_c, mixes = by_class_and_mix(sets, y, ranks)
             v: dict[str, Any] = {
                 "coverage": float(hit.mean()), "size": float(size.mean()), "empty": float((size == 0).mean()),
                 "per_class": {class_names[c]: {"coverage": None if np.isnan(cov_c[c]) else float(cov_c[c]),
